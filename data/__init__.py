@@ -1,0 +1,15 @@
+"""delta-gpt's data layer: prepare datasets once, then read them as flat token arrays.
+
+    import data
+    data.prepare("shakespeare_char")                      # -> data/shakespeare_char/
+    ds = data.load("shakespeare_char", block_size=256)    # ds.train, ds.val: np.memmap of token ids
+    ds.tokenizer.decode(ds.val[:100].tolist())
+
+Datasets live in data/<name>/ as train.bin, val.bin and meta.json (see data/dataset.py);
+tokenizers are in data/tokenizer.py. Every bad input raises DataError with a one-line message.
+"""
+from .dataset import DATASETS, DEFAULT_DATA_DIR, Dataset, load, prepare, token_dtype
+from .tokenizer import CharTokenizer, DataError, GPT2Tokenizer, get_tokenizer, gpt2_encoding
+
+__all__ = ["DATASETS", "DEFAULT_DATA_DIR", "DataError", "Dataset", "prepare", "load", "get_tokenizer",
+           "gpt2_encoding", "CharTokenizer", "GPT2Tokenizer", "token_dtype"]

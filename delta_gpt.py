@@ -1,0 +1,625 @@
+"""
+A GPT-2 language model with four residual modes, in one file:
+
+  baseline     x_k = x_{k-1} + f_k(LN(x_{k-1}))                      the standard pre-norm residual
+  attnres      u_k = read(sources)             replacement routing    Kimi's (Block) Attention Residuals
+  delta        u_k = x_{k-1} + read(sources)   additive, per sublayer Delta Attention Residuals
+  delta_block  u_k = x_{k-1} + read(blocks)    additive, per block    Delta Block
+
+Every attention and every MLP is a sublayer f_k (k = 1..S, S = 2*n_layer) with output v_k = f_k(LN_k(u_k)).
+A sublayer's router holds a zero-initialised pseudo-query w and an RMSNorm gain g and reads its sources s_i:
+
+    alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
+
+The sources are the pieces of the residual stream: the embedding e and the sublayer outputs v_1..v_{k-1},
+or their sums over blocks of sublayers. They always telescope (sum to x_{k-1}) except for plain delta_block,
+so with all queries at zero every mode but plain delta_block computes the baseline's function.
+See ../shared/SPEC.md for the full definition. The code follows nanoGPT's model.py, names included.
+
+References:
+1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
+2) Attention Residuals (Kimi): arXiv 2603.15031
+3) Delta Attention Residuals: arXiv 2605.18855
+"""
+
+import inspect
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+RESIDUALS = ("baseline", "attnres", "delta", "delta_block")
+ROUTE_SOURCES = ("delta", "cumulative")
+ROUTE_EPS = 1e-6  # RMSNorm eps of the router keys
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm but with an optional bias. PyTorch doesn't support simply bias=False"""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+        self.eps = 1e-5
+
+    def forward(self, input):
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        # key, query, value projections for all heads, but in a batch
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # output projection
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # regularization
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        # flash attention (SDPA) is the fast path; flash = False runs the readable manual path below
+        self.flash = True
+
+    def forward(self, x, kv=None):
+        B, T, C = x.size() # batch size, sequence length, embedding dimensionality (n_embd)
+
+        # calculate query, key, values for all heads in batch and move head forward to be the batch dim
+        q, k, v  = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
+        if kv is not None:  # generation: prepend the cached keys and values of earlier positions
+            if kv:
+                k = torch.cat([kv[0], k], dim=2) # (B, nh, P+T, hs)
+                v = torch.cat([kv[1], v], dim=2)
+            kv[:] = [k, v]
+        P = k.size(2) - T  # number of cached positions before the new T
+
+        # causal self-attention; Self-attend: (B, nh, T, hs) x (B, nh, hs, P+T) -> (B, nh, T, P+T)
+        if self.flash:
+            if P == 0 or T == 1:  # a plain causal square, or one new query that sees everything
+                mask, causal = None, P == 0
+            else:
+                mask, causal = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P), False
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                               dropout_p=self.dropout if self.training else 0)
+        else:
+            # manual implementation of attention: query t (at position P+t) sees keys 0..P+t
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            causal = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
+            att = att.masked_fill(~causal, float('-inf'))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v # (B, nh, T, P+T) x (B, nh, P+T, hs) -> (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C) # re-assemble all head outputs side by side
+
+        # output projection
+        y = self.resid_dropout(self.c_proj(y))
+        return y
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc    = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu    = nn.GELU()
+        self.c_proj  = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        x = self.c_proj(x)
+        x = self.dropout(x)
+        return x
+
+
+class Router(nn.Module):
+    """Depth-wise attention over a sublayer's sources: alpha_i = softmax_i(w . RMSNorm_g(s_i)).
+
+    The fast path never stacks the sources: it folds the gain into the query,
+    w . (g * s / rms(s)) = ((w * g) . s) / rms(s), takes 1/rms(s) from the Stream (computed once per
+    source), and sums alpha_i * s_i term by term. Autograd then saves only references to the sources,
+    which are alive anyway, and a few (B, T) tensors: activation memory stays linear in depth.
+    The reference path (fast = False) is the formula as written; a test holds the two equal.
+    """
+
+    def __init__(self, n_embd):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(n_embd))  # w, zero-init: uniform weights at init
+        self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # its weight is the key gain g
+        self.fast = True
+
+    def forward(self, sources, inv_rms):
+        """sources: n tensors (B, T, D); inv_rms: their 1/rms, n tensors (B, T) in float32.
+        Returns read (B, T, D) and alpha (B, T, n) in float32."""
+        if not self.fast:
+            return self.forward_reference(sources)
+        wg = upcast(self.query) * upcast(self.norm.weight)  # (D,) the gain folded into the query
+        # logits in float32: an fp32 query promotes a bf16 source inside the product, no copy is kept
+        logits = torch.stack([(s * wg).sum(-1) * r for s, r in zip(sources, inv_rms)], dim=-1) # (B, T, n)
+        alpha = logits.softmax(dim=-1)
+        read = alpha[..., 0, None] * sources[0]
+        for i in range(1, len(sources)):
+            read = read + alpha[..., i, None] * sources[i]
+        return read.to(sources[0].dtype), alpha
+
+    def forward_reference(self, sources):
+        with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
+            s = torch.stack([upcast(s) for s in sources], dim=-2)    # (B, T, n, D)
+            keys = self.norm.to(s.dtype)(s)                          # RMSNorm_g(s_i)
+            alpha = (keys @ upcast(self.query)).softmax(dim=-1)      # (B, T, n)
+            read = (alpha.unsqueeze(-1) * s).sum(dim=-2)             # (B, T, n, 1) * (B, T, n, D) -> (B, T, D)
+        return read.to(sources[0].dtype), alpha
+
+
+def upcast(t):
+    """t in float32 (or float64 if it is): routing logits and softmax never run in bf16/fp16."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def inv_rms(s):
+    """1 / rms(s) over the last dim in float32, (B, T, D) -> (B, T), without a float32 copy of s."""
+    norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))
+    return torch.rsqrt(norm.square() / s.size(-1) + ROUTE_EPS)
+
+
+class Stream:
+    """The residual stream of one forward pass: what sublayer k reads (u_k) and where its output goes.
+
+    `read(router)` gives u_k, `write(v)` takes v_k. The four modes differ only here:
+      baseline     u_k = x_{k-1}                        (router is None)
+      additive     u_k = x_{k-1} + read(sources)        delta, delta_block
+      replacement  u_k = read(sources)                  attnres; a final router then reads all sources
+    Sources: [e, b_1, ..., b_{m-1}] (completed blocks, each the sum of its sublayers' v) plus the partial
+    sum p of the current block when it is routed and non-empty. Per sublayer (N = S) each v is a block.
+    route_sources = "cumulative" swaps each source for the stream's value at that boundary.
+    """
+
+    def __init__(self, e, config, record=None):
+        self.additive = config.residual in ("baseline", "delta", "delta_block")
+        self.x = e if self.additive else None                  # the running stream x_{k-1}
+        self.block_len = 2 * config.n_layer // (config.n_route_blocks or 1)  # sublayers per block
+        self.route_partial = config.route_partial
+        self.cumulative = config.route_sources == "cumulative"
+        self.routed = config.residual != "baseline"
+        self.sources = [e]                                     # e, then completed blocks
+        self.inv_rms = [inv_rms(e)] if self.routed else []     # 1/rms of each source, computed once
+        self.partial = None                                    # sum of the current block's v's
+        self.k = 0                                             # sublayers written so far
+        self.record = record                                   # a list to collect (sources, alpha) for stats
+
+    def current_sources(self):
+        sources, scales = list(self.sources), list(self.inv_rms)
+        if self.partial is not None and self.route_partial:
+            p = self.sources[-1] + self.partial if self.cumulative else self.partial
+            sources.append(p)
+            scales.append(inv_rms(p))
+        return sources, scales
+
+    def read(self, router):
+        if router is None:
+            return self.x
+        sources, scales = self.current_sources()
+        r, alpha = router(sources, scales)
+        if self.record is not None:
+            self.record.append((sources, alpha))
+        return self.x + r if self.additive else r
+
+    def write(self, v):
+        self.k += 1
+        if self.additive:
+            self.x = self.x + v
+        if not self.routed:
+            return
+        self.partial = v if self.partial is None else self.partial + v
+        if self.k % self.block_len == 0:  # block complete: its sum becomes a source
+            b = self.sources[-1] + self.partial if self.cumulative else self.partial
+            self.sources.append(b)
+            self.inv_rms.append(inv_rms(b))
+            self.partial = None
+
+    def output(self, final_router):
+        """x_S for the additive modes; for replacement routing the final router's read of all sources."""
+        if self.additive:
+            return self.x
+        return self.read(final_router)
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+        routed = config.residual != "baseline"
+        self.attn_router = Router(config.n_embd) if routed else None
+        self.mlp_router = Router(config.n_embd) if routed else None
+
+    def forward(self, stream, kv=None):
+        stream.write(self.attn(self.ln_1(stream.read(self.attn_router)), kv))
+        stream.write(self.mlp(self.ln_2(stream.read(self.mlp_router))))
+        return stream
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304 # GPT-2 vocab_size of 50257, padded up to nearest multiple of 64 for efficiency
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True # True: bias in Linears and LayerNorms, like GPT-2. False: a bit better and faster
+    residual: str = "baseline" # baseline | attnres | delta | delta_block
+    n_route_blocks: Optional[int] = None # N blocks of 2*n_layer/N sublayers; None: 4 (attnres, delta_block), 2*n_layer (delta)
+    route_partial: Optional[bool] = None # route the current block's partial sum too; None: True (attnres, delta), False (delta_block)
+    route_sources: Optional[str] = None # "delta" (block sums) or "cumulative" (stream snapshots); None: "delta"
+
+    def __post_init__(self):
+        """Check the fields and fill in each mode's defaults; a bad value is one clear ValueError."""
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"residual={self.residual!r} is unknown; choose one of {', '.join(RESIDUALS)}")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                             f"choose n_head among {_divisors(self.n_embd)}")
+        S = 2 * self.n_layer
+        if self.residual == "baseline":
+            for name in ("n_route_blocks", "route_partial", "route_sources"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is set but residual='baseline' has no routing; "
+                                     f"leave {name} unset or choose attnres, delta or delta_block")
+            return
+        if self.route_sources is None:
+            self.route_sources = "delta"
+        if self.route_sources not in ROUTE_SOURCES:
+            raise ValueError(f"route_sources={self.route_sources!r} is unknown; choose one of {', '.join(ROUTE_SOURCES)}")
+        N = self.n_route_blocks
+        if N is None:
+            N = S if self.residual == "delta" else 4
+        if isinstance(N, bool) or not isinstance(N, int) or N < 1 or S % N != 0:
+            default = " (the default for this mode)" if self.n_route_blocks is None else ""
+            raise ValueError(f"n_route_blocks={N!r}{default} must divide 2*n_layer={S} sublayers; "
+                             f"choose one of {_divisors(S)}")
+        if self.residual == "delta" and N != S:
+            raise ValueError(f"n_route_blocks={N} but residual='delta' routes per sublayer (n_route_blocks=2*n_layer={S}); "
+                             f"leave it unset, or use residual='delta_block' for {N} blocks")
+        self.n_route_blocks = N
+        if self.route_partial is None:
+            self.route_partial = self.residual != "delta_block"
+        if self.route_partial not in (True, False):
+            raise ValueError(f"route_partial={self.route_partial!r} must be True or False")
+        if self.residual == "attnres" and not self.route_partial:
+            raise ValueError("route_partial=False but attnres always routes the current partial block "
+                             "(Kimi's definition); leave it unset or use delta_block")
+
+    @property
+    def n_sublayers(self):
+        return 2 * self.n_layer
+
+
+def _divisors(n):
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.vocab_size is not None
+        assert config.block_size is not None
+        self.config = config
+
+        self.transformer = nn.ModuleDict(dict(
+            wte = nn.Embedding(config.vocab_size, config.n_embd),
+            wpe = nn.Embedding(config.block_size, config.n_embd),
+            drop = nn.Dropout(config.dropout),
+            h = nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f = LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        if config.residual == "attnres":  # replacement routing: the output is itself a read of all sources
+            self.transformer.final_router = Router(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # with weight tying when using torch.compile() some warnings get generated:
+        # "UserWarning: functional_call was passed multiple values for tied weights.
+        # This behavior is deprecated and will be an error in future versions"
+        # not 100% sure what this is, so far seems to be harmless. TODO investigate
+        self.transformer.wte.weight = self.lm_head.weight # https://paperswithcode.com/method/weight-tying
+
+        # init all weights
+        self._init_weights()
+
+    def get_num_params(self, non_embedding=True):
+        """
+        Return the number of parameters in the model.
+        For non-embedding count (default), the position embeddings get subtracted.
+        The token embeddings would too, except due to the parameter sharing these
+        params are actually used as weights in the final layer, so we include them.
+        """
+        n_params = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n_params -= self.transformer.wpe.weight.numel()
+        return n_params
+
+    def _init_weights(self):
+        """Every init in one place: GPT-2's normal(0.02), with the residual projections (c_proj) scaled
+        by 1/sqrt(2*n_layer) per the GPT-2 paper; routers at zero query and unit gain (uniform routing)."""
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj") else 0.02
+                torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    torch.nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, Router):
+                torch.nn.init.zeros_(module.query)
+                torch.nn.init.ones_(module.norm.weight)
+
+    def hidden(self, idx, kv_cache=None, record=None):
+        """Token ids (B, T) -> final hidden states ln_f(output) (B, T, D).
+        kv_cache: a list of per-layer [k, v] lists, filled and extended by generation.
+        record: a list that collects every router's (sources, alpha), for routing statistics."""
+        device = idx.device
+        b, t = idx.size()
+        past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
+        if past + t > self.config.block_size:
+            raise ValueError(f"Cannot forward sequence of length {past + t}, block size is only "
+                             f"{self.config.block_size}; crop the input to the last block_size tokens")
+        pos = torch.arange(past, past + t, dtype=torch.long, device=device) # shape (t)
+
+        # forward the GPT model itself
+        tok_emb = self.transformer.wte(idx) # token embeddings of shape (b, t, n_embd)
+        pos_emb = self.transformer.wpe(pos) # position embeddings of shape (t, n_embd)
+        stream = Stream(self.transformer.drop(tok_emb + pos_emb), self.config, record)
+        for i, block in enumerate(self.transformer.h):
+            block(stream, kv_cache[i] if kv_cache is not None else None)
+        return self.transformer.ln_f(stream.output(getattr(self.transformer, "final_router", None)))
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
+        Unlike nanoGPT, logits cover every position also without targets (tests and reports use them);
+        generate() projects only the last position."""
+        x = self.hidden(idx)
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def routing_stats(self, idx):
+        """Routing statistics on a batch (B, T), per routed sublayer in order (the final router last):
+        n sources, max_weight (mean over tokens of max_i alpha_i; uniform gives 1/n), entropy (H / log n),
+        mean_weight (mean alpha per source), adj_cos (mean cosine similarity of adjacent sources).
+        Averages leave out sublayers with one source; deep_* average the deeper half of the sublayers."""
+        if self.config.residual == "baseline":
+            raise ValueError("a baseline model has no routing to report; train or convert a routed model "
+                             "(--residual attnres, delta or delta_block)")
+        record = []
+        self.hidden(idx, record=record)
+        S = self.config.n_sublayers
+        names = [f"h.{i}.{kind}" for i in range(self.config.n_layer) for kind in ("attn", "mlp")] + ["final"]
+        rows = []
+        for k, (name, (sources, alpha)) in enumerate(zip(names, record), start=1):
+            n = alpha.size(-1)
+            entropy = -(alpha * alpha.clamp_min(1e-30).log()).sum(-1)  # (B, T)
+            cos = [F.cosine_similarity(a.float(), b.float(), dim=-1).mean().item() for a, b in zip(sources, sources[1:])]
+            rows.append(dict(
+                name=name, index=k, n=n, uniform=1.0 / n,
+                max_weight=alpha.max(-1).values.mean().item(),
+                entropy=(entropy / math.log(n)).mean().item() if n > 1 else float("nan"),
+                mean_weight=alpha.mean(dim=(0, 1)).tolist(),
+                adj_cos=sum(cos) / len(cos) if cos else float("nan"),
+            ))
+        multi = [r for r in rows if r["n"] > 1]
+        deep = [r for r in multi if r["index"] > S // 2]
+        mean = lambda rs, key: sum(r[key] for r in rs) / len(rs) if rs else float("nan")
+        return dict(
+            sublayers=rows,
+            mean_max_weight=mean(multi, "max_weight"), mean_entropy=mean(multi, "entropy"),
+            deep_max_weight=mean(deep, "max_weight"), deep_entropy=mean(deep, "entropy"),
+            mean_adj_cos=mean(multi, "adj_cos"),
+        )
+
+    def crop_block_size(self, block_size):
+        # model surgery to decrease the block size if necessary
+        # e.g. we may load the GPT2 pretrained model checkpoint (block size 1024)
+        # but want to use a smaller block size for some smaller, simpler model
+        assert block_size <= self.config.block_size
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
+    @classmethod
+    def from_pretrained(cls, model_type, override_args=None):
+        """HF GPT-2 weights (gpt2, gpt2-medium, gpt2-large, gpt2-xl) into any residual mode; routing starts
+        at zero init, so the routed modes that are exact at init reproduce GPT-2. Needs `transformers` and
+        the internet (or its local cache)."""
+        models = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+        if model_type not in models:
+            raise ValueError(f"unknown GPT-2 model {model_type!r}; choose one of {', '.join(models)}")
+        override_args = dict(override_args or {})
+        allowed = {"dropout", "residual", "n_route_blocks", "route_partial", "route_sources"}
+        if set(override_args) - allowed:
+            raise ValueError(f"from_pretrained can override only {', '.join(sorted(allowed))}")
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError:
+            raise ValueError("loading GPT-2 weights needs the transformers package: pip install transformers") from None
+        try:
+            model_hf = GPT2LMHeadModel.from_pretrained(model_type)
+        except OSError as e:
+            raise ValueError(f"could not fetch {model_type} from the Hugging Face hub: it needs the internet "
+                             f"or a local cache ({str(e).splitlines()[0]})") from None
+        print(f"loading weights from pretrained gpt: {model_type}")
+        # n_layer, n_head and n_embd are determined from model_type
+        config_args = {
+            'gpt2':         dict(n_layer=12, n_head=12, n_embd=768),  # 124M params
+            'gpt2-medium':  dict(n_layer=24, n_head=16, n_embd=1024), # 350M params
+            'gpt2-large':   dict(n_layer=36, n_head=20, n_embd=1280), # 774M params
+            'gpt2-xl':      dict(n_layer=48, n_head=25, n_embd=1600), # 1558M params
+        }[model_type]
+        config_args.update(vocab_size=50257, block_size=1024, bias=True) # always for GPT model checkpoints
+        config_args.update(override_args)
+        return cls.from_hf_state_dict(model_hf.state_dict(), GPTConfig(**config_args))
+
+    @classmethod
+    def from_hf_state_dict(cls, sd_hf, config):
+        """Build a model of `config` from a Hugging Face GPT2LMHeadModel state_dict (the offline part of
+        from_pretrained): every key but the routing ones comes from sd_hf; routing stays at zero init."""
+        model = GPT(config)
+        sd = model.state_dict()
+        # the HF checkpoint's keys are ours minus the routing keys; drop its attention mask buffers
+        sd_hf = {k: v for k, v in sd_hf.items() if not k.endswith(('.attn.masked_bias', '.attn.bias'))}
+        expected = [k for k in sd if not is_routing_key(k)]
+        assert len(sd_hf) == len(expected), f"mismatched keys: {len(sd_hf)} != {len(expected)}"
+        # HF uses Conv1D modules (weights transposed against nn.Linear) for these
+        transposed = ['attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight']
+        with torch.no_grad():
+            for k in expected:
+                w = sd_hf[k].t() if any(k.endswith(t) for t in transposed) else sd_hf[k]
+                assert w.shape == sd[k].shape, f"shape mismatch for {k}: {w.shape} vs {sd[k].shape}"
+                sd[k].copy_(w)
+        return model
+
+    def route_parameters(self):
+        """The routing parameters (pseudo-queries and key gains): empty for baseline."""
+        return [p for m in self.modules() if isinstance(m, Router) for p in m.parameters()]
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, route_lr_mult=1.0):
+        """AdamW with three groups: 2-D weights decay; biases and norms don't; routing parameters have
+        no decay and lr = learning_rate * route_lr_mult. Each group carries 'lr_mult' for the schedule."""
+        route = {id(p) for p in self.route_parameters()}
+        params = [p for p in self.parameters() if p.requires_grad]  # tied weights appear once
+        decay = [p for p in params if p.dim() >= 2 and id(p) not in route]
+        nodecay = [p for p in params if p.dim() < 2 and id(p) not in route]
+        routing = [p for p in params if id(p) in route]
+        optim_groups = [
+            {'params': decay, 'weight_decay': weight_decay, 'lr_mult': 1.0},
+            {'params': nodecay, 'weight_decay': 0.0, 'lr_mult': 1.0},
+        ]
+        if routing:
+            optim_groups.append({'params': routing, 'weight_decay': 0.0, 'lr_mult': route_lr_mult})
+        for group in optim_groups:
+            group['lr'] = learning_rate * group['lr_mult']
+        print(f"num decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
+        print(f"num non-decayed parameter tensors: {len(nodecay)}, with {sum(p.numel() for p in nodecay):,} parameters")
+        print(f"num routing parameter tensors: {len(routing)}, with {sum(p.numel() for p in routing):,} parameters")
+        # Create AdamW optimizer and use the fused version if it is available
+        fused_available = 'fused' in inspect.signature(torch.optim.AdamW).parameters
+        use_fused = fused_available and device_type == 'cuda'
+        extra_args = dict(fused=True) if use_fused else dict()
+        optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
+        print(f"using fused AdamW: {use_fused}")
+        return optimizer
+
+    def flops_per_token(self):
+        """Forward+backward FLOPs per token: nanoGPT's 6N + 12*L*H*Q*T (PaLM appendix B), plus routing:
+        each router reads n sources with a D-dim dot product and a D-dim weighted sum."""
+        N = self.get_num_params()
+        cfg = self.config
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd//cfg.n_head, cfg.block_size
+        flops = 6*N + 12*L*H*Q*T
+        return flops + 3 * 4 * cfg.n_embd * sum(self.sources_per_router())
+
+    def sources_per_router(self):
+        """The number of sources each router reads, in order (the final router last): no data needed."""
+        cfg = self.config
+        if cfg.residual == "baseline":
+            return []
+        S, L = cfg.n_sublayers, cfg.n_sublayers // cfg.n_route_blocks
+        counts = [1 + (k - 1) // L + (1 if cfg.route_partial and (k - 1) % L else 0) for k in range(1, S + 1)]
+        return counts + ([1 + cfg.n_route_blocks] if cfg.residual == "attnres" else [])
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt, device=None):
+        """Model FLOPs utilization against the device's bf16 peak (A100 312e12; H100/H200 989e12).
+        Returns None for any other device (CPU included): then report tokens/s only."""
+        device = device or next(self.parameters()).device
+        peak = device_peak_flops(device)
+        if peak is None:
+            return None
+        flops_per_iter = self.flops_per_token() * self.config.block_size * fwdbwd_per_iter
+        return flops_per_iter * (1.0/dt) / peak
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, generator=None):
+        """
+        Take a conditioning sequence of indices idx (LongTensor of shape (b,t)) and complete
+        the sequence max_new_tokens times, feeding the predictions back into the model each time.
+        With use_cache the keys and values of earlier positions are kept, so each step runs only the new
+        token (routing is per token, so nothing else needs caching); the result equals use_cache=False.
+        Past block_size the context is cropped as in nanoGPT, and the cache is rebuilt for the window.
+        temperature 0 means greedy (argmax). Most likely you'll want to make sure to be in model.eval().
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
+        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
+            raise ValueError(f"top_k={top_k} must be between 1 and the vocabulary size {self.config.vocab_size}")
+        block_size = self.config.block_size
+        cache, done = None, 0  # done: how many of idx's tokens the cache holds
+        for _ in range(max_new_tokens):
+            if not use_cache or idx.size(1) > block_size or cache is None:
+                # if the sequence context is growing too long we must crop it at block_size;
+                # absolute positions then shift, so the window is recomputed (and cached afresh)
+                idx_cond = idx if idx.size(1) <= block_size else idx[:, -block_size:]
+                cache = [[] for _ in self.transformer.h] if use_cache else None
+                x = self.hidden(idx_cond, cache)
+            else:
+                x = self.hidden(idx[:, done:], cache)
+            done = idx.size(1)
+            # pluck the logits at the final step and scale by desired temperature
+            logits = self.lm_head(x[:, -1, :]).float()
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                # optionally crop the logits to only the top k options
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float('Inf')
+                # apply softmax to convert logits to (normalized) probabilities
+                probs = F.softmax(logits, dim=-1)
+                # sample from the distribution
+                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
+            # append sampled index to the running sequence and continue
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peaks
+
+
+def device_peak_flops(device):
+    """The bf16 peak FLOP/s of a CUDA device from PEAK_FLOPS, or None when unknown (CPU, MPS, other GPUs)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+
+
+def is_routing_key(name):
+    """True for the state_dict keys of the routers (attn_router, mlp_router, final_router)."""
+    return "_router." in name
+
+
+def config_fields():
+    """The GPTConfig field names (the model architecture), for checkpoints and CLI overrides."""
+    return [f.name for f in fields(GPTConfig)]

@@ -1,0 +1,477 @@
+"""The model's math, pinned: zero-init identities, telescoping sources, fast router == reference router,
+simplex weights, causality, KV cache == recompute, state_dict names, config errors, memory linear in depth."""
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from bench import saved_bytes
+from delta_gpt import GPT, GPTConfig, RESIDUALS, LayerNorm, Router, inv_rms, is_routing_key
+
+VOCAB = 61
+ROUTED = [m for m in RESIDUALS if m != "baseline"]
+
+
+def tiny(residual="baseline", **kw):
+    kw = dict(dict(block_size=64, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=64, dropout=0.0), **kw)
+    return GPTConfig(residual=residual, **kw)
+
+
+def model_of(config, seed=0, queries=0.0):
+    """A model in eval mode; queries > 0 gives routers random non-zero queries and gains."""
+    torch.manual_seed(seed)
+    model = GPT(config).eval()
+    if queries:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, Router):
+                    m.query.normal_(0, queries)
+                    m.norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def unit_gain_(model):
+    """Embeddings std 1 and other matrices std 1/sqrt(fan_in), so the stream's variance is far above LN eps."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_routing_key(name):
+                continue
+            if "wte" in name or "wpe" in name:
+                p.normal_(0, 1.0)
+            elif p.dim() == 2:
+                p.normal_(0, 1 / math.sqrt(p.size(1)))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+def idx_batch(B=2, T=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (B, T), generator=g)
+
+
+def routed_copy(base, residual, **kw):
+    """A routed model with the baseline's weights and zero-init routing."""
+    model = GPT(replace(base.config, residual=residual, **kw)).eval()
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and all(is_routing_key(k) for k in missing)
+    return model
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ---------------------------------------------------------------- zero-init identities
+
+IDENTITY_CASES = [("attnres", dict(n_route_blocks=n)) for n in (1, 2, 4, 8)] + [
+    ("delta", {}),
+    ("delta_block", dict(route_partial=True, n_route_blocks=1)),
+    ("delta_block", dict(route_partial=True, n_route_blocks=2)),
+    ("delta_block", dict(route_partial=True, n_route_blocks=4)),
+    ("delta_block", dict(route_partial=True, n_route_blocks=8)),
+]
+
+
+@pytest.mark.parametrize("residual,kw", IDENTITY_CASES)
+def test_zero_init_equals_baseline(residual, kw):
+    base = unit_gain_(model_of(tiny()))
+    idx = idx_batch()
+    ref, _ = base(idx)
+    routed = routed_copy(base, residual, **kw)
+    out, _ = routed(idx)
+    # replacement routing feeds x/n into LN, which weighs LN eps about n^2 more (SPEC.md)
+    assert rel_err(out, ref) < (1e-4 if residual == "attnres" else 5e-6)
+
+
+@pytest.mark.parametrize("residual,kw", IDENTITY_CASES)
+def test_zero_init_exact_without_ln_eps(residual, kw):
+    base = unit_gain_(model_of(tiny())).double()
+    for m in base.modules():
+        if isinstance(m, LayerNorm):
+            m.eps = 0.0
+    routed = routed_copy(base, residual, **kw).double()
+    for m in routed.modules():
+        if isinstance(m, LayerNorm):
+            m.eps = 0.0
+    idx = idx_batch()
+    assert rel_err(routed(idx)[0], base(idx)[0]) < 1e-12
+
+
+@pytest.mark.parametrize("n_route_blocks", [1, 2, 4])
+def test_plain_delta_block_is_not_identity_at_init(n_route_blocks):
+    base = unit_gain_(model_of(tiny()))
+    idx = idx_batch()
+    routed = routed_copy(base, "delta_block", n_route_blocks=n_route_blocks)
+    assert rel_err(routed(idx)[0], base(idx)[0]) > 1e-3
+
+
+def test_zero_init_loss_equal_at_gpt2_init():
+    """At GPT-2's own init (std 0.02) the stream's variance is near LN eps: the additive modes still give
+    the baseline's loss closely; replacement routing (x/n into LN) does not, as SPEC.md explains."""
+    base = model_of(tiny())
+    idx = idx_batch()
+    _, ref = base(idx, idx)
+    additive = [abs(routed_copy(base, r, route_partial=True)(idx, idx)[1].item() - ref.item())
+                for r in ("delta", "delta_block")]
+    replacement = abs(routed_copy(base, "attnres")(idx, idx)[1].item() - ref.item())
+    assert max(additive) < 1e-3 < replacement
+
+
+# ---------------------------------------------------------------- telescoping sources
+
+def record_run(model, idx):
+    """Each router's sources, and e plus every sublayer output v_k, from one forward."""
+    outputs = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: outputs.append(out))
+             for b in model.transformer.h for m in (b.attn, b.mlp)]
+    record = []
+    with torch.no_grad():
+        model.hidden(idx, record=record)
+    for h in hooks:
+        h.remove()
+    pos = torch.arange(idx.size(1))
+    e = model.transformer.wte(idx) + model.transformer.wpe(pos)
+    return record, e, outputs
+
+
+@pytest.mark.parametrize("residual,kw", [
+    ("attnres", dict(n_route_blocks=2)), ("attnres", dict(n_route_blocks=8)), ("delta", {}),
+    ("delta_block", dict(route_partial=True)), ("delta_block", dict(n_route_blocks=2, route_partial=True)),
+])
+def test_sources_sum_to_stream(residual, kw):
+    model = model_of(tiny(residual, **kw), queries=1.0)
+    record, e, v = record_run(model, idx_batch())
+    S = model.config.n_sublayers
+    assert len(record) == S + (residual == "attnres")
+    for k, (sources, _) in enumerate(record, start=1):
+        x_prev = e + sum(v[:k - 1])  # x_{k-1} = e + v_1 + ... + v_{k-1}
+        torch.testing.assert_close(sum(sources), x_prev, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_route_blocks", [1, 2, 4])
+def test_plain_delta_block_sources_are_block_deltas(n_route_blocks):
+    """Without the partial, sublayer k reads [e, b_1, ..., b_{m-1}]: b_j is exactly block j's sum of v's
+    (not the official code's partial - blocks[-1]); they sum to the block-start stream."""
+    model = model_of(tiny("delta_block", n_route_blocks=n_route_blocks), queries=1.0)
+    record, e, v = record_run(model, idx_batch())
+    L = model.config.n_sublayers // n_route_blocks
+    for k, (sources, _) in enumerate(record, start=1):
+        m = (k - 1) // L  # completed blocks
+        assert len(sources) == 1 + m
+        torch.testing.assert_close(sources[0], e)
+        for j in range(1, m + 1):
+            torch.testing.assert_close(sources[j], sum(v[(j - 1) * L:j * L]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("residual", ["attnres", "delta_block"])
+def test_cumulative_sources_are_stream_snapshots(residual):
+    model = model_of(tiny(residual, n_route_blocks=4, route_partial=True, route_sources="cumulative"), queries=1.0)
+    record, e, v = record_run(model, idx_batch())
+    L = 2
+    for k, (sources, _) in enumerate(record[:model.config.n_sublayers], start=1):
+        m = (k - 1) // L
+        for j in range(m + 1):
+            torch.testing.assert_close(sources[j], e + sum(v[:j * L]), atol=1e-5, rtol=1e-5)
+        if (k - 1) % L:  # the partial becomes the current stream x_{k-1}
+            torch.testing.assert_close(sources[-1], e + sum(v[:k - 1]), atol=1e-5, rtol=1e-5)
+
+
+def test_delta_block_with_N_equal_S_is_delta():
+    delta = model_of(tiny("delta"), queries=1.0)
+    block = GPT(tiny("delta_block", n_route_blocks=8)).eval()
+    block.load_state_dict(delta.state_dict())
+    idx = idx_batch()
+    torch.testing.assert_close(block(idx)[0], delta(idx)[0], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- fast router == reference router
+
+def router_inputs(n=3, B=2, T=3, D=8, dtype=torch.float64):
+    torch.manual_seed(0)
+    router = Router(D).to(dtype)
+    with torch.no_grad():
+        router.query.normal_(0, 1.0)
+        router.norm.weight.uniform_(0.5, 1.5)
+    sources = [torch.randn(B, T, D, dtype=dtype, requires_grad=True) * (i + 1) for i in range(n)]
+    sources = [s.detach().requires_grad_() for s in sources]
+    return router, sources
+
+
+def test_router_gradcheck_fast_path():
+    router, sources = router_inputs()
+    query, gain = router.query, router.norm.weight
+
+    def fn(q, g, *s):
+        r = Router(q.numel()).to(q.dtype)
+        del r.query, r.norm.weight  # use the given tensors as the parameters
+        r.query, r.norm.weight = q, g
+        read, alpha = r(list(s), [inv_rms(x) for x in s])
+        return read, alpha
+
+    assert torch.autograd.gradcheck(fn, (query, gain, *sources))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_router_fast_equals_reference(n):
+    router, sources = router_inputs(n=n, D=16)
+    read, alpha = router(sources, [inv_rms(s) for s in sources])
+    grads = torch.autograd.grad((read * torch.cos(read)).sum() + alpha[..., -1].sum(), [router.query, router.norm.weight, *sources])
+    router.fast = False
+    read_ref, alpha_ref = router(sources, None)
+    grads_ref = torch.autograd.grad((read_ref * torch.cos(read_ref)).sum() + alpha_ref[..., -1].sum(), [router.query, router.norm.weight, *sources])
+    torch.testing.assert_close(read, read_ref)
+    torch.testing.assert_close(alpha, alpha_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref)
+
+
+@pytest.mark.parametrize("residual", ROUTED)
+def test_model_fast_router_equals_reference(residual):
+    model = model_of(tiny(residual), queries=1.0).double()
+    idx = idx_batch()
+
+    def run(fast):
+        for m in model.modules():
+            if isinstance(m, Router):
+                m.fast = fast
+        model.zero_grad()
+        logits, loss = model(idx, idx)
+        loss.backward()
+        return logits, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    logits, grads = run(True)
+    logits_ref, grads_ref = run(False)
+    torch.testing.assert_close(logits, logits_ref)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
+
+
+def test_logits_and_softmax_in_float32_under_autocast():
+    model = model_of(tiny("delta", n_layer=2), queries=1.0)
+    record = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model.hidden(idx_batch(T=8), record=record)
+    assert all(alpha.dtype == torch.float32 for _, alpha in record)
+    assert any(s.dtype == torch.bfloat16 for sources, _ in record for s in sources)
+
+
+def test_manual_attention_equals_sdpa():
+    model = model_of(tiny("delta"), queries=1.0)
+    idx = idx_batch()
+    fast, _ = model(idx)
+    for b in model.transformer.h:
+        b.attn.flash = False
+    slow, _ = model(idx)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- weights, stats, causality, cache
+
+@pytest.mark.parametrize("residual", ROUTED)
+def test_routing_weights_are_a_simplex_and_stats_in_range(residual):
+    model = model_of(tiny(residual), queries=2.0)
+    record = []
+    with torch.no_grad():
+        model.hidden(idx_batch(), record=record)
+    for _, alpha in record:
+        assert (alpha >= 0).all()
+        torch.testing.assert_close(alpha.sum(-1), torch.ones(alpha.shape[:-1]))
+    stats = model.routing_stats(idx_batch())
+    assert [r["n"] for r in stats["sublayers"]] == model.sources_per_router()
+    for r in stats["sublayers"]:
+        assert 1 / r["n"] - 1e-6 <= r["max_weight"] <= 1 + 1e-6
+        assert len(r["mean_weight"]) == r["n"] and abs(sum(r["mean_weight"]) - 1) < 1e-5
+        if r["n"] > 1:
+            assert 0 <= r["entropy"] <= 1 + 1e-6 and -1 <= r["adj_cos"] <= 1
+    assert 0 < stats["mean_max_weight"] <= 1 and 0 < stats["deep_max_weight"] <= 1
+
+
+def test_stats_uniform_at_zero_init():
+    model = model_of(tiny("delta"))
+    stats = model.routing_stats(idx_batch())
+    for r in stats["sublayers"]:
+        assert abs(r["max_weight"] - 1 / r["n"]) < 1e-6
+        if r["n"] > 1:
+            assert abs(r["entropy"] - 1) < 1e-5
+
+
+def test_routing_stats_refuse_baseline():
+    with pytest.raises(ValueError, match="baseline model has no routing"):
+        model_of(tiny()).routing_stats(idx_batch())
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_causality(residual):
+    model = model_of(tiny(residual), queries=1.0)
+    idx = idx_batch(T=24)
+    changed = idx.clone()
+    changed[:, 12:] = (changed[:, 12:] + 7) % VOCAB
+    a, _ = model(idx)
+    b, _ = model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12], atol=0, rtol=0)
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 5)])
+def test_kv_cache_generation_equals_recompute(residual, temperature, top_k):
+    model = model_of(tiny(residual, block_size=16), queries=1.0)
+    prompt = idx_batch(B=2, T=5)
+    out = {}
+    for use_cache in (True, False):  # 30 new tokens: the window slides past block_size 16
+        torch.manual_seed(123)
+        out[use_cache] = model.generate(prompt, 30, temperature=temperature, top_k=top_k, use_cache=use_cache)
+    assert out[True].shape == (2, 35)
+    assert torch.equal(out[True], out[False])
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_cached_logits_equal_full_forward(residual):
+    model = model_of(tiny(residual), queries=1.0)
+    idx = idx_batch(T=20)
+    full, _ = model(idx)
+    cache = [[] for _ in model.transformer.h]
+    with torch.no_grad():
+        parts = [model.hidden(idx[:, :7], cache), model.hidden(idx[:, 7:12], cache)]
+        parts += [model.hidden(idx[:, t:t + 1], cache) for t in range(12, 20)]
+    torch.testing.assert_close(model.lm_head(torch.cat(parts, dim=1)), full, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_bad_arguments():
+    model = model_of(tiny())
+    prompt = idx_batch(T=3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(prompt, 0)
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(prompt, 2, top_k=0)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(prompt, 2, temperature=-1)
+
+
+# ---------------------------------------------------------------- names, loading, optimiser
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_baseline_state_dict_loads_with_only_routing_keys_missing(residual):
+    base = model_of(tiny())
+    model = GPT(tiny(residual))
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    assert unexpected == []
+    expected = set()
+    if residual != "baseline":
+        for i in range(4):
+            for r in ("attn_router", "mlp_router"):
+                expected |= {f"transformer.h.{i}.{r}.query", f"transformer.h.{i}.{r}.norm.weight"}
+    if residual == "attnres":
+        expected |= {"transformer.final_router.query", "transformer.final_router.norm.weight"}
+    assert set(missing) == expected
+    nano = {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
+            "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight", "transformer.h.0.ln_2.bias",
+            "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.bias", "transformer.ln_f.weight",
+            "lm_head.weight"}
+    assert nano <= set(model.state_dict())
+
+
+def test_from_hf_state_dict_maps_gpt2_names():
+    base = model_of(tiny(vocab_size=VOCAB))
+    transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    sd_hf = {k: (v.t() if k.endswith(transposed) else v) for k, v in base.state_dict().items()}
+    sd_hf["transformer.h.0.attn.bias"] = torch.ones(1)  # HF's mask buffers are dropped
+    model = GPT.from_hf_state_dict(sd_hf, tiny("delta"))
+    for k, v in base.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert all(torch.count_nonzero(p) == 0 for n, p in model.named_parameters() if n.endswith("router.query"))
+
+
+def test_from_pretrained_refuses_unknown_model():
+    with pytest.raises(ValueError, match="unknown GPT-2 model"):
+        GPT.from_pretrained("gpt3")
+
+
+def test_configure_optimizers_groups():
+    model = GPT(tiny("delta"))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", route_lr_mult=3.0)
+    decay, nodecay, route = opt.param_groups
+    assert all(p.dim() == 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert all(p.dim() == 1 for p in nodecay["params"]) and nodecay["weight_decay"] == 0.0
+    assert route["weight_decay"] == 0.0 and route["lr"] == pytest.approx(3e-3) and route["lr_mult"] == 3.0
+    assert {id(p) for p in route["params"]} == {id(p) for p in model.route_parameters()}
+    assert len(route["params"]) == 16  # query and gain of 8 routers
+    counted = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert counted == sum(p.numel() for p in model.parameters())  # tied weight once
+    assert len(GPT(tiny()).configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups) == 2
+
+
+def test_routing_parameter_overhead_is_4D_per_layer():
+    base, delta = GPT(tiny()), GPT(tiny("delta"))
+    assert delta.get_num_params() - base.get_num_params() == 4 * 64 * 4
+
+
+def test_estimate_mfu_is_none_on_cpu():
+    model = GPT(tiny("delta"))
+    assert model.estimate_mfu(fwdbwd_per_iter=8, dt=0.1) is None
+    assert model.flops_per_token() > GPT(tiny()).flops_per_token()
+
+
+# ---------------------------------------------------------------- bad config
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(residual="resnet"), "residual='resnet' is unknown; choose one of baseline, attnres, delta, delta_block"),
+    (dict(residual="attnres", n_route_blocks=3), "n_route_blocks=3 must divide 2\\*n_layer=8"),
+    (dict(residual="delta_block", n_route_blocks=0), "n_route_blocks=0 must divide"),
+    (dict(residual="delta_block", n_route_blocks=-2), "n_route_blocks=-2 must divide"),
+    (dict(residual="delta", n_route_blocks=4), "residual='delta' routes per sublayer"),
+    (dict(residual="baseline", route_sources="delta"), "route_sources is set but residual='baseline'"),
+    (dict(residual="baseline", route_partial=True), "route_partial is set but residual='baseline'"),
+    (dict(residual="baseline", n_route_blocks=2), "n_route_blocks is set but residual='baseline'"),
+    (dict(residual="delta", route_sources="stream"), "route_sources='stream' is unknown"),
+    (dict(residual="attnres", route_partial=False), "attnres always routes the current partial"),
+    (dict(n_head=3), "n_embd=64 is not divisible by n_head=3"),
+    (dict(residual="attnres", n_layer=3), "n_route_blocks=4 \\(the default for this mode\\) must divide 2\\*n_layer=6"),
+])
+def test_bad_config_raises(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**kw)
+
+
+def test_idx_longer_than_block_size_raises():
+    model = GPT(tiny(block_size=8))
+    with pytest.raises(ValueError, match="Cannot forward sequence of length 9, block size is only 8"):
+        model(idx_batch(T=9))
+
+
+# ---------------------------------------------------------------- memory and compile
+
+def test_activation_memory_linear_in_depth():
+    """Saved-for-backward bytes over baseline stay flat from 2 to 8 layers with the fast router and
+    grow with the naive stacking reference (which keeps O(S^2 * B*T*D))."""
+    idx = idx_batch(B=2, T=32)
+
+    def ratio(n_layer, residual, fast=True):
+        torch.manual_seed(0)
+        model = GPT(tiny(residual, n_layer=n_layer, n_embd=128))
+        for m in model.modules():
+            if isinstance(m, Router):
+                m.fast = fast
+        torch.manual_seed(0)
+        return saved_bytes(model, idx) / saved_bytes(GPT(tiny(n_layer=n_layer, n_embd=128)), idx)
+
+    for residual in ("delta", "attnres"):
+        r2, r8 = ratio(2, residual), ratio(8, residual)
+        assert r8 < 1.35 and r8 / r2 < 1.1, (residual, r2, r8)
+    assert ratio(8, "delta", fast=False) / ratio(2, "delta", fast=False) > 1.5
+
+
+@pytest.mark.compile
+def test_compile_fullgraph_matches_eager():
+    model = model_of(tiny("delta", n_layer=2), queries=1.0)
+    idx = idx_batch(T=16)
+    eager_logits, eager_loss = model(idx, idx)
+    compiled = torch.compile(model, fullgraph=True)
+    logits, loss = compiled(idx, idx)
+    torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    assert all(p.grad is not None for p in model.route_parameters())
