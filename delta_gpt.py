@@ -125,11 +125,9 @@ class MLP(nn.Module):
 class Router(nn.Module):
     """Depth-wise attention over a sublayer's sources: alpha_i = softmax_i(w . RMSNorm_g(s_i)).
 
-    The fast path never stacks the sources: it folds the gain into the query,
-    w . (g * s / rms(s)) = ((w * g) . s) / rms(s), takes 1/rms(s) from the Stream (computed once per
-    source), and sums alpha_i * s_i term by term. Autograd then saves only references to the sources,
-    which are alive anyway, and a few (B, T) tensors: activation memory stays linear in depth.
-    The reference path (fast = False) is the formula as written; a test holds the two equal.
+    forward(sources, inv_rms, base) returns base + sum_i alpha_i * s_i (base is the stream x_{k-1} for
+    additive routing, None for replacement) and alpha. The fast path (RouteRead) never stacks the
+    sources; the reference path (fast = False) is the formula as written. A test holds them equal.
     """
 
     def __init__(self, n_embd):
@@ -138,27 +136,65 @@ class Router(nn.Module):
         self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # its weight is the key gain g
         self.fast = True
 
-    def forward(self, sources, inv_rms):
-        """sources: n tensors (B, T, D); inv_rms: their 1/rms, n tensors (B, T) in float32.
-        Returns read (B, T, D) and alpha (B, T, n) in float32."""
+    def forward(self, sources, inv_rms, base=None):
+        """sources: n tensors (B, T, D); inv_rms: their 1/rms, n tensors (B, T) in float32; base: (B, T, D)
+        or None. Returns (base +) read (B, T, D) and alpha (B, T, n) in float32."""
         if not self.fast:
-            return self.forward_reference(sources)
+            return self.forward_reference(sources, base)
         wg = upcast(self.query) * upcast(self.norm.weight)  # (D,) the gain folded into the query
-        # logits in float32: an fp32 query promotes a bf16 source inside the product, no copy is kept
-        logits = torch.stack([(s * wg).sum(-1) * r for s, r in zip(sources, inv_rms)], dim=-1) # (B, T, n)
-        alpha = logits.softmax(dim=-1)
-        read = alpha[..., 0, None] * sources[0]
-        for i in range(1, len(sources)):
-            read = read + alpha[..., i, None] * sources[i]
-        return read.to(sources[0].dtype), alpha
+        return RouteRead.apply(base, wg, torch.stack(inv_rms, dim=-1), *sources)
 
-    def forward_reference(self, sources):
+    def forward_reference(self, sources, base=None):
         with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
             s = torch.stack([upcast(s) for s in sources], dim=-2)    # (B, T, n, D)
-            keys = self.norm.to(s.dtype)(s)                          # RMSNorm_g(s_i)
+            keys = F.rms_norm(s, s.shape[-1:], upcast(self.norm.weight), ROUTE_EPS)  # RMSNorm_g(s_i)
             alpha = (keys @ upcast(self.query)).softmax(dim=-1)      # (B, T, n)
             read = (alpha.unsqueeze(-1) * s).sum(dim=-2)             # (B, T, n, 1) * (B, T, n, D) -> (B, T, D)
-        return read.to(sources[0].dtype), alpha
+        if base is None:
+            return read.to(sources[0].dtype), alpha
+        return (base + read).to(base.dtype), alpha
+
+
+class RouteRead(torch.autograd.Function):
+    """The router's fast path: out = base + sum_i alpha_i s_i, alpha = softmax_i((wg . s_i) * r_i).
+
+    The RMSNorm gain is folded into the query, wg = w * g, since w . (g * s / rms(s)) = (wg . s) / rms(s),
+    and r_i = 1/rms(s_i) comes from the Stream, computed once per source. Only references to the
+    sources (alive anyway), wg and a few (B, T, n) tensors are saved, so activation memory stays linear
+    in depth; forward and backward loop over the sources in place instead of stacking copies of them.
+    Logits, softmax and the sum run in float32 (float64 for a float64 model) whatever the autocast.
+    """
+
+    @staticmethod
+    def forward(ctx, base, wg, r, *sources):
+        with torch.autocast(sources[0].device.type, enabled=False):
+            dots = torch.stack([upcast(s) @ wg for s in sources], dim=-1)  # wg . s_i, (B, T, n)
+            alpha = (dots * r).softmax(dim=-1)
+            out = alpha[..., 0, None] * upcast(sources[0])
+            for i in range(1, len(sources)):
+                out.addcmul_(alpha[..., i, None], sources[i])
+            if base is not None:
+                out += base
+        ctx.save_for_backward(wg, r, alpha, dots, *sources)
+        ctx.mark_non_differentiable(alpha)
+        return out.to(sources[0].dtype if base is None else base.dtype), alpha
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        wg, r, alpha, dots, *sources = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            g = upcast(grad)
+            g_alpha = torch.stack([torch.linalg.vecdot(upcast(s), g) for s in sources], dim=-1)  # g . s_i
+            g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(-1, keepdim=True))  # softmax backward
+            c = g_logits * r                                                          # dL/d(wg . s_i)
+            g_wg = torch.zeros_like(wg)
+            g_sources = []
+            for i, s in enumerate(sources):
+                g_s = (g * alpha[..., i, None]).addcmul_(c[..., i, None], wg)  # alpha_i g + c_i wg
+                g_sources.append(g_s.to(s.dtype))
+                g_wg.addmv_(upcast(s).reshape(-1, s.size(-1)).t(), c[..., i].reshape(-1))
+        g_base = grad if ctx.needs_input_grad[0] else None
+        return (g_base, g_wg, g_logits * dots, *g_sources)
 
 
 def upcast(t):
@@ -209,10 +245,10 @@ class Stream:
         if router is None:
             return self.x
         sources, scales = self.current_sources()
-        r, alpha = router(sources, scales)
+        u, alpha = router(sources, scales, self.x if self.additive else None)
         if self.record is not None:
             self.record.append((sources, alpha))
-        return self.x + r if self.additive else r
+        return u
 
     def write(self, v):
         self.k += 1

@@ -205,24 +205,32 @@ def test_router_gradcheck_fast_path():
     router, sources = router_inputs()
     query, gain = router.query, router.norm.weight
 
-    def fn(q, g, *s):
+    def fn(q, g, base, *s):
         r = Router(q.numel()).to(q.dtype)
         del r.query, r.norm.weight  # use the given tensors as the parameters
         r.query, r.norm.weight = q, g
-        read, alpha = r(list(s), [inv_rms(x) for x in s])
-        return read, alpha
+        read, alpha = r(list(s), [inv_rms(x) for x in s], base)
+        return read
 
-    assert torch.autograd.gradcheck(fn, (query, gain, *sources))
+    base = torch.randn_like(sources[0]).requires_grad_()
+    assert torch.autograd.gradcheck(fn, (query, gain, base, *sources))
+    assert torch.autograd.gradcheck(fn, (query, gain, None, *sources))
 
 
 @pytest.mark.parametrize("n", [1, 2, 5])
-def test_router_fast_equals_reference(n):
+@pytest.mark.parametrize("additive", [False, True])
+def test_router_fast_equals_reference(n, additive):
     router, sources = router_inputs(n=n, D=16)
-    read, alpha = router(sources, [inv_rms(s) for s in sources])
-    grads = torch.autograd.grad((read * torch.cos(read)).sum() + alpha[..., -1].sum(), [router.query, router.norm.weight, *sources])
+    base = torch.randn_like(sources[0]).requires_grad_() if additive else None
+    wrt = [router.query, router.norm.weight, *sources] + ([base] if additive else [])
+
+    def run():
+        read, alpha = router(sources, [inv_rms(s) for s in sources], base)
+        return read, alpha, torch.autograd.grad((read * torch.cos(read)).sum(), wrt)
+
+    read, alpha, grads = run()
     router.fast = False
-    read_ref, alpha_ref = router(sources, None)
-    grads_ref = torch.autograd.grad((read_ref * torch.cos(read_ref)).sum() + alpha_ref[..., -1].sum(), [router.query, router.norm.weight, *sources])
+    read_ref, alpha_ref, grads_ref = run()
     torch.testing.assert_close(read, read_ref)
     torch.testing.assert_close(alpha, alpha_ref)
     for g, g_ref in zip(grads, grads_ref):

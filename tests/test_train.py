@@ -1,0 +1,321 @@
+"""train.py: exact resume, DDP and gradient-accumulation equivalence, nothing lost, every bad input refused."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import train as T
+from delta_gpt import GPT, GPTConfig, RESIDUALS, Router
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A small character dataset 'tiny' in its own data dir."""
+    d = tmp_path_factory.mktemp("data")
+    text = "".join(f"{w} the quick brown fox {i % 7} jumps over {w}.\n" for i, w in
+                   enumerate(["alpha", "beta", "gamma", "delta", "epsilon"] * 60))
+    src = d / "tiny.txt"
+    src.write_text(text)
+    data.prepare("text", input=src, tokenizer="char", out_name="tiny", data_dir=d, progress=False)
+    return d
+
+
+def cfg_for(tiny_data, out_dir, **kw):
+    base = dict(dataset="tiny", data_dir=str(tiny_data), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32,
+                block_size=16, batch_size=4, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
+                eval_iters=2, log_interval=1, ckpt_interval=4, progress=False)
+    return T.make_config("cpu", **{**base, **kw})
+
+
+def cli_args(tiny_data, out_dir, **kw):
+    """The same settings as cfg_for, as command-line options."""
+    base = dict(dataset="tiny", data_dir=str(tiny_data), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32,
+                block_size=16, batch_size=4, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
+                eval_iters=2, log_interval=1, ckpt_interval=4)
+    args = ["--no-progress"]
+    for k, v in {**base, **kw}.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def params(path):
+    return T.load_checkpoint(path)["model"]
+
+
+def train_losses(out_dir):
+    return [(r["step"], r["train_loss"]) for r in T.read_metrics(out_dir) if r["kind"] == "train"]
+
+
+# ---------------------------------------------------------------- equivalences
+
+@pytest.mark.parametrize("residual", ["baseline", "delta"])
+def test_resume_is_bit_exact(tiny_data, tmp_path, residual):
+    full = cfg_for(tiny_data, tmp_path / "full", residual=residual, dropout=0.1)
+    T.train(full)
+    half = cfg_for(tiny_data, tmp_path / "half", residual=residual, dropout=0.1, max_iters=4)
+    T.train(half)
+    resumed = T.resume_config(out_dir=str(tmp_path / "half"), max_iters=8)
+    assert resumed.lr_decay_iters == 8 and resumed.dropout == 0.1 and resumed.residual == residual
+    T.train(resumed)
+    assert train_losses(tmp_path / "half") == train_losses(tmp_path / "full")
+    a, b = params(tmp_path / "full" / "last.pt"), params(tmp_path / "half" / "last.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert T.load_checkpoint(tmp_path / "half" / "last.pt")["iter_num"] == 8
+    rows = T.read_metrics(tmp_path / "half")
+    assert any(r["kind"] == "resume" and r["changed"]["max_iters"] == [4, 8] for r in rows)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "accum", batch_size=2, gradient_accumulation_steps=3, max_iters=3))
+    T.train(cfg_for(tiny_data, tmp_path / "big", batch_size=6, max_iters=3))
+    a, b = params(tmp_path / "accum" / "last.pt"), params(tmp_path / "big" / "last.pt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one(tiny_data, tmp_path):
+    """torchrun --nproc_per_node=2 (gloo) with 1 micro-step each == 1 process with 2 micro-steps."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    common = cli_args(tiny_data, tmp_path / "x", residual="delta", gradient_accumulation_steps=2, max_iters=3)
+    ddp = common[:common.index("--out-dir")] + ["--out-dir", str(tmp_path / "ddp")] + common[common.index("--out-dir") + 2:]
+    one = common[:common.index("--out-dir")] + ["--out-dir", str(tmp_path / "one")] + common[common.index("--out-dir") + 2:]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(ROOT / "train.py"), *ddp], capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *one], capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = params(tmp_path / "ddp" / "last.pt"), params(tmp_path / "one" / "last.pt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    # the logged loss is the mean over micro-steps and ranks: equal too
+    for (s1, l1), (s2, l2) in zip(train_losses(tmp_path / "ddp"), train_losses(tmp_path / "one")):
+        assert s1 == s2 and abs(l1 - l2) < 1e-5
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_tiny_model_overfits_one_batch(residual):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=64, residual=residual))
+    opt = model.configure_optimizers(0.0, 3e-3, (0.9, 0.99), "cpu")
+    x = torch.randint(0, 32, (4, 16))
+    y = torch.roll(x, -1, dims=1)
+    for _ in range(150):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+
+
+# ---------------------------------------------------------------- nothing lost
+
+def test_checkpoint_write_crash_keeps_previous(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    T.save_checkpoint({"model": {"w": torch.ones(3)}, "model_config": {}, "config": {}}, path)
+    before = path.read_bytes()
+
+    def crash(obj, f, *a, **k):
+        f.write(b"partial garbage")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        T.save_checkpoint({"model": {"w": torch.zeros(3)}, "model_config": {}, "config": {}}, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary file left
+
+
+def test_sigint_writes_a_loadable_checkpoint_and_resumes(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    args = cli_args(tiny_data, out, max_iters=100000, lr_decay_iters=100000, ckpt_interval=100000, eval_interval=100000)
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(train_losses(out) if (out / "metrics.jsonl").exists() else []) < 5:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr
+    assert "Traceback" not in stderr and "stopped by signal at step" in stdout
+    ckpt = T.load_checkpoint(out / "last.pt")
+    assert ckpt["iter_num"] >= 5
+    T.train(T.resume_config(out_dir=str(out), max_iters=ckpt["iter_num"] + 2))
+    assert T.load_checkpoint(out / "last.pt")["iter_num"] == ckpt["iter_num"] + 2
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
+    cfg = cfg_for(tiny_data, tmp_path / "run", ckpt_interval=2)
+    calls = {"n": 0}
+    forward = GPT.forward
+
+    def poisoned(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 4:  # the 4th training step (step index 3)
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    with pytest.raises(T.TrainError, match="loss is nan at step 3"):
+        T.train(cfg)
+    assert T.load_checkpoint(tmp_path / "run" / "last.pt")["iter_num"] == 2
+
+
+def test_fresh_run_refuses_to_overwrite_a_run(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+        T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2, overwrite=True))
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_resume_with_other_architecture_names_the_fields(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
+    cfg = T.resume_config(out_dir=str(tmp_path / "run"), n_layer=3, residual="delta")
+    with pytest.raises(ValueError, match="different architecture: n_layer \\(2 in the checkpoint, 3 now\\); "
+                                         "residual \\('baseline' in the checkpoint, 'delta' now\\)"):
+        T.train(cfg)
+
+
+def test_missing_dataset_names_the_prepare_command(tmp_path):
+    cfg = T.make_config("cpu", dataset="nosuch", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), progress=False)
+    with pytest.raises(data.DataError, match="python cli.py prepare"):
+        T.train(cfg)
+
+
+def test_default_dataset_is_prepared_when_missing(tmp_path):
+    cfg = T.make_config("cpu", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), max_iters=1, eval_iters=1,
+                        n_layer=1, n_embd=32, progress=False)
+    T.train(cfg)
+    assert (tmp_path / "shakespeare_char" / "meta.json").exists()
+
+
+def test_checkpoints_load_with_weights_only(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=4))
+    ckpt = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert set(ckpt) >= {"model", "optimizer", "scaler", "model_config", "config", "iter_num", "best_val_loss", "rng"}
+    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
+    assert (tmp_path / "run" / "best.pt").exists()
+    # a pickled object is refused by weights_only loading, with one clear message
+    torch.save({"model": {}, "model_config": {}, "config": {}, "evil": Path("x")}, tmp_path / "pickled.pt")
+    with pytest.raises(T.TrainError, match="unreadable"):
+        T.load_checkpoint(tmp_path / "pickled.pt")
+
+
+def test_corrupt_or_truncated_checkpoint_is_a_clear_error(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=4))
+    path = tmp_path / "run" / "last.pt"
+    blob = path.read_bytes()
+    path.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(T.TrainError, match=f"checkpoint {path} is unreadable"):
+        T.load_checkpoint(path)
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(T.TrainError, match="unreadable"):
+        T.load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        T.load_checkpoint(tmp_path / "nope.pt")
+    torch.save({"weights": torch.ones(1)}, path)
+    with pytest.raises(T.TrainError, match="not a delta-gpt checkpoint"):
+        T.load_checkpoint(path)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-iter", "5"], "unknown option --max-iter; did you mean --max-iters?"),
+    (["--max-iters", "five"], "--max-iters expects an integer, got 'five'"),
+    (["--learning-rate", "fast"], "--learning-rate expects a number, got 'fast'"),
+    (["--compile=maybe"], "--compile expects true or false, got 'maybe'"),
+    (["--compile", "maybe"], "unexpected argument 'maybe'"),
+    (["--max-iters"], "--max-iters needs a value"),
+    (["delta"], "unexpected argument 'delta'"),
+])
+def test_parse_args_refuses_bad_options(argv, message):
+    with pytest.raises(ValueError, match=message.replace("?", "\\?").replace("(", "\\(")):
+        T.parse_args(argv)
+
+
+def test_parse_args_forms():
+    preset, o = T.parse_args(["--preset", "cpu", "--max_iters=5", "--no-compile", "--bias", "--n-route-blocks", "none",
+                              "--learning-rate", "3e-4"])
+    assert preset == "cpu" and o == dict(max_iters=5, compile=False, bias=True, n_route_blocks=None, learning_rate=3e-4)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(residual="resnet"), "residual='resnet' is unknown"),
+    (dict(batch_size=0), "--batch-size must be at least 1"),
+    (dict(learning_rate=-1.0), "--learning-rate must not be negative"),
+    (dict(dtype="fp8"), "--dtype 'fp8' is unknown"),
+    (dict(device="gpu"), "--device 'gpu' is unknown"),
+    (dict(resume=True, init_from="x.pt"), "cannot be combined with --init-from"),
+    (dict(n_layer=3, residual="attnres"), "n_route_blocks=4 \\(the default for this mode\\) must divide"),
+])
+def test_bad_config_values(kw, message):
+    with pytest.raises(ValueError, match=message):
+        T.make_config("cpu", **kw)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of cpu, shakespeare_char, gpt2_124m, paper_220m"):
+        T.make_config("huge")
+
+
+def test_bad_option_on_the_command_line_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--max-iter", "5"], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr.strip() == "error: unknown option --max-iter; did you mean --max-iters? (see `python cli.py train --help`)"
+
+
+# ---------------------------------------------------------------- init-from, metrics
+
+def test_init_from_baseline_checkpoint_keeps_the_loss(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=8))
+    base_val = [r for r in T.read_metrics(tmp_path / "base") if r["kind"] == "eval"][-1]["val_loss"]
+    cfg = cfg_for(tiny_data, tmp_path / "delta", residual="delta", init_from=str(tmp_path / "base" / "last.pt"),
+                  max_iters=0)
+    T.train(cfg)
+    first = [r for r in T.read_metrics(tmp_path / "delta") if r["kind"] == "eval"][0]
+    # equal up to LN eps, which still weighs at this tiny width after 8 steps (SPEC.md, zero-init identities)
+    assert first["step"] == 0 and abs(first["val_loss"] - base_val) < 1e-3
+    with pytest.raises(ValueError, match="different architecture: n_embd"):
+        T.train(cfg_for(tiny_data, tmp_path / "x", residual="delta", n_embd=64,
+                        init_from=str(tmp_path / "base" / "last.pt")))
+
+
+def test_metrics_and_config_files(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "run", residual="attnres"))
+    rows = T.read_metrics(tmp_path / "run")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    eval_rows = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in train_rows] == list(range(1, 9))
+    assert {"train_loss", "lr", "tokens_per_s", "elapsed"} <= set(train_rows[0])
+    assert [r["step"] for r in eval_rows] == [0, 4, 8]
+    assert "sublayers" in eval_rows[-1]["routing"] and eval_rows[-1]["val_loss"] > 0
+    info = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert info["config"]["residual"] == "attnres" and info["model_config"]["n_route_blocks"] == 4
+    assert "commit" in info
+
+
+def test_field_help_covers_every_field():
+    helps = T.field_help()
+    assert set(helps) == {f.name for f in T.fields(T.TrainConfig)}
+    assert all(h.strip() for h in helps.values())
+
+
+def test_lr_schedule():
+    cfg = T.make_config("cpu", max_iters=100, warmup_iters=10, learning_rate=1.0, min_lr=0.1)
+    assert T.get_lr(0, cfg) == pytest.approx(1 / 11)
+    assert T.get_lr(10, cfg) == pytest.approx(1.0)
+    assert T.get_lr(100, cfg) == pytest.approx(0.1)
+    assert 0.1 < T.get_lr(55, cfg) < 1.0
