@@ -411,9 +411,10 @@ def train(cfg):
     check_config(cfg)
     ddp = int(os.environ.get("RANK", -1)) != -1 # is this a ddp run?
     if ddp:
-        rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-        device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() and cfg.device in ("auto", "cuda") \
-            else pick_device(cfg)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        device = pick_device(cfg)
+        if device.type == "cuda":  # one GPU per process
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         if device.type == "cuda":
             torch.cuda.set_device(device)
         init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
@@ -421,7 +422,7 @@ def train(cfg):
             open_dataset(cfg)  # prepares the default dataset once, before the other ranks read it
         torch.distributed.barrier()
     else:
-        rank, local_rank, world_size, device = 0, 0, 1, pick_device(cfg)
+        rank, world_size, device = 0, 1, pick_device(cfg)
     try:
         return _train(cfg, rank, world_size, device)
     finally:
@@ -458,35 +459,8 @@ def _train(cfg, rank, world_size, device):
 
     ds = open_dataset(cfg)
     meta = ds.meta
-    vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's padded to a multiple of 64
 
-    # model init
-    iter_num, best_val_loss = 0, float("inf")
-    if ckpt is not None:
-        wanted = asdict(model_config(cfg, ckpt["model_config"]["vocab_size"]))
-        diff = arch_diff(ckpt["model_config"], wanted)
-        if diff:
-            raise ValueError(f"cannot resume {ckpt_path} with a different architecture: {'; '.join(diff)}")
-        check_tokenizer(ckpt, meta, ckpt_path)
-        model = model_from_checkpoint(ckpt, dropout=cfg.dropout)
-        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-    elif cfg.init_from == "scratch":
-        model = GPT(model_config(cfg, vocab_size))
-    elif cfg.init_from.startswith("gpt2"):
-        if ds.tokenizer.name != "gpt2":
-            raise ValueError(f"--init-from {cfg.init_from} needs a GPT-2 BPE dataset; {cfg.dataset} is {ds.tokenizer.name}")
-        route = {k: getattr(cfg, k) for k in ("residual", "n_route_blocks", "route_partial", "route_sources", "dropout")}
-        model = GPT.from_pretrained(cfg.init_from, {k: getattr(cfg, k) for k in ROUTE_FIELDS + ("dropout",)})
-        if cfg.block_size < model.config.block_size:
-            model.crop_block_size(cfg.block_size)
-    else:  # a (baseline) checkpoint: its weights, this run's residual mode, routing at zero init
-        src = load_checkpoint(cfg.init_from)
-        check_tokenizer(src, meta, cfg.init_from)
-        wanted = asdict(model_config(cfg, src["model_config"]["vocab_size"]))
-        diff = arch_diff(src["model_config"], wanted, [k for k in ARCH_FIELDS if k not in ROUTE_FIELDS])
-        if diff:
-            raise ValueError(f"--init-from {cfg.init_from} has a different architecture: {'; '.join(diff)}")
-        model = model_from_checkpoint(src, **{k: getattr(cfg, k) for k in ROUTE_FIELDS + ("dropout",)})
+    model, iter_num, best_val_loss = build_model(cfg, ckpt, ds)
     model.to(device)
 
     # optimizer and gradient scaler (a no-op unless float16)
@@ -636,6 +610,38 @@ def _train(cfg, rank, world_size, device):
     return dict(val_loss=val_loss, best_val_loss=best_val_loss, train_loss=last_loss, iter_num=iter_num,
                 elapsed=time.time() - t_start, tokens_per_s=tok_s, out_dir=str(out_dir),
                 params=raw_model.get_num_params())
+
+
+def build_model(cfg, ckpt, ds):
+    """The model to train, with the step to start at and the best val loss so far: from the resume
+    checkpoint, from scratch, from GPT-2 weights, or from a (baseline) checkpoint with zero-init routing."""
+    meta = ds.meta
+    if ckpt is not None:
+        wanted = asdict(model_config(cfg, ckpt["model_config"]["vocab_size"]))
+        diff = arch_diff(ckpt["model_config"], wanted)
+        if diff:
+            raise ValueError(f"cannot resume {cfg.out_dir}/last.pt with a different architecture: {'; '.join(diff)}")
+        check_tokenizer(ckpt, meta, f"{cfg.out_dir}/last.pt")
+        return model_from_checkpoint(ckpt, dropout=cfg.dropout), ckpt["iter_num"], ckpt["best_val_loss"]
+    route = {k: getattr(cfg, k) for k in ROUTE_FIELDS + ("dropout",)}
+    if cfg.init_from == "scratch":
+        vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's padded to a multiple of 64
+        model = GPT(model_config(cfg, vocab_size))
+    elif cfg.init_from.startswith("gpt2"):
+        if ds.tokenizer.name != "gpt2":
+            raise ValueError(f"--init-from {cfg.init_from} needs a GPT-2 BPE dataset; {cfg.dataset} is {ds.tokenizer.name}")
+        model = GPT.from_pretrained(cfg.init_from, route)
+        if cfg.block_size < model.config.block_size:
+            model.crop_block_size(cfg.block_size)
+    else:
+        src = load_checkpoint(cfg.init_from)
+        check_tokenizer(src, meta, cfg.init_from)
+        wanted = asdict(model_config(cfg, src["model_config"]["vocab_size"]))
+        diff = arch_diff(src["model_config"], wanted, [k for k in ARCH_FIELDS if k not in ROUTE_FIELDS])
+        if diff:
+            raise ValueError(f"--init-from {cfg.init_from} has a different architecture: {'; '.join(diff)}")
+        model = model_from_checkpoint(src, **route)
+    return model, 0, float("inf")
 
 
 def quiet(fn, *args, **kwargs):
