@@ -1,8 +1,14 @@
-# `make test` and `make train` each set themselves up: .venv is created and filled on first use.
+# `make train` and `make test` each set themselves up: .venv is created and filled on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PY := $(BIN)/python
 STAMP := $(VENV)/.installed
+
+# make train: the quick start (prepare Shakespeare, train delta on the cpu preset, sample, report)
+RUN ?= runs/quickstart
+DATA_ARGS ?=
+TRAIN_ARGS ?=
 
 .PHONY: install test test-fast train bench clean
 
@@ -15,14 +21,20 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PY) -m pytest -q
 
-# the suite without the torch.compile test (CI runs the full `make test`)
+# the suite without the torch.compile and multi-process tests (CI runs the full `make test`)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not compile"
+	$(PY) -m pytest -q -m "not compile and not slow"
+
+train: $(STAMP)
+	$(PY) cli.py prepare $(DATA_ARGS)
+	$(PY) cli.py train --residual delta --preset cpu --out-dir $(RUN) --overwrite $(DATA_ARGS) $(TRAIN_ARGS)
+	$(PY) cli.py sample --ckpt $(RUN)/last.pt --num-samples 2 --max-new-tokens 300
+	$(PY) cli.py report --ckpt $(RUN)/last.pt
 
 bench: $(STAMP)
-	$(BIN)/python bench.py
+	$(PY) bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

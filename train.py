@@ -142,7 +142,7 @@ def resume_config(preset=None, **overrides):
     saved = replace(TrainConfig(), **{k: v for k, v in ckpt["config"].items() if k in names})
     if preset is not None and preset != saved.preset:
         raise ValueError(f"--preset {preset} differs from the run's preset {saved.preset}; a resumed run keeps its preset")
-    cfg = replace(saved, **overrides, resume=True)
+    cfg = replace(saved, **{**overrides, "resume": True})
     check_config(cfg)
     return cfg
 
@@ -326,6 +326,38 @@ def derive_seed(*key):
     return int(np.random.SeedSequence(key).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def eval_batch(ds, split, k, batch_size, block_size, device):
+    """Evaluation batch k of a split: the same for every evaluation of every run, whatever the seed."""
+    arr = ds.val if split == "val" else ds.train
+    return get_batch(arr, block_size, batch_starts(arr, block_size, batch_size, (EVAL_SEED, int(split == "val"), k)), device)
+
+
+@torch.no_grad()
+def estimate_loss(model, ds, split, eval_iters, batch_size, ctx=contextlib.nullcontext(), progress=False):
+    """Mean loss of `model` (in eval mode) over the fixed evaluation batches of a split."""
+    device, training = next(model.parameters()).device, model.training
+    model.eval()
+    losses = []
+    for k in tqdm(range(eval_iters), desc=f"{split} loss", disable=not progress, leave=False):
+        X, Y = eval_batch(ds, split, k, batch_size, model.config.block_size, device)
+        with ctx:
+            losses.append(model(X, Y)[1].item())
+    model.train(training)
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def routing_stats(model, ds, n_batches, batch_size, ctx=contextlib.nullcontext()):
+    """The model's routing statistics on the first n fixed validation batches (stacked into one)."""
+    device, training = next(model.parameters()).device, model.training
+    model.eval()
+    X = torch.cat([eval_batch(ds, "val", k, batch_size, model.config.block_size, device)[0] for k in range(n_batches)])
+    with ctx:
+        stats = model.routing_stats(X)
+    model.train(training)
+    return stats
+
+
 def get_lr(it, cfg):
     """Linear warmup, then cosine decay from learning_rate to min_lr over lr_decay_iters steps."""
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
@@ -482,32 +514,18 @@ def _train(cfg, rank, world_size, device):
 
     record = RunRecord(out_dir, master and not cfg.eval_only, resume_step=iter_num if cfg.resume else None)
     if master and not cfg.eval_only:
-        record.write_config(cfg, raw_model.config, meta, world_size, device, dtype)
+        record.write_config(cfg, raw_model, meta, world_size, device, dtype)
         if cfg.resume and changed:
             record.log(kind="resume", step=iter_num, changed={k: list(v) for k, v in changed.items()})
         print(f"{cfg.residual}: {raw_model.get_num_params():,} parameters, {tokens_per_iter:,} tokens per step, "
               f"{device} {dtype}{' compiled' if use_compile else ''}, run directory {out_dir}")
 
-    def eval_starts(arr, split, k):  # the same batches at every evaluation of every run
-        return batch_starts(arr, cfg.block_size, cfg.batch_size, (EVAL_SEED, int(split == "val"), k))
-
-    @torch.no_grad()
     def evaluate():
         """Mean loss over the fixed eval batches of each split, and routing statistics on the first val batch."""
-        out = {}
-        raw_model.eval()
-        for split, arr in (("train", ds.train), ("val", ds.val)):
-            losses = []
-            for k in range(cfg.eval_iters):
-                X, Y = get_batch(arr, cfg.block_size, eval_starts(arr, split, k), device)
-                with ctx:
-                    losses.append(raw_model(X, Y)[1].item())
-            out[split] = sum(losses) / len(losses)
+        out = {split: estimate_loss(raw_model, ds, split, cfg.eval_iters, cfg.batch_size, ctx)
+               for split in ("train", "val")}
         if cfg.residual != "baseline":
-            X, _ = get_batch(ds.val, cfg.block_size, eval_starts(ds.val, "val", 0), device)
-            with ctx:
-                out["routing"] = raw_model.routing_stats(X)
-        raw_model.train()
+            out["routing"] = routing_stats(raw_model, ds, 1, cfg.batch_size, ctx)
         return out
 
     def checkpoint(path, step):
@@ -695,8 +713,9 @@ class RunRecord:
             keep = [l for l in lines if json.loads(l).get("step", 0) <= resume_step]
             self.path.write_text("".join(l + "\n" for l in keep))
 
-    def write_config(self, cfg, model_config, meta, world_size, device, dtype):
-        info = dict(config=asdict(cfg), model_config=asdict(model_config), dataset=meta, commit=self.commit,
+    def write_config(self, cfg, model, meta, world_size, device, dtype):
+        info = dict(config=asdict(cfg), model_config=asdict(model.config), params=model.get_num_params(),
+                    dataset=meta, commit=self.commit,
                     world_size=world_size, device=str(device), dtype=dtype, torch=torch.__version__)
         (self.path.parent / "config.json").write_text(json.dumps(info, indent=2) + "\n")
 

@@ -12,21 +12,8 @@ import torch
 
 import data
 import train as T
+from conftest import ROOT
 from delta_gpt import GPT, GPTConfig, RESIDUALS, Router
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory):
-    """A small character dataset 'tiny' in its own data dir."""
-    d = tmp_path_factory.mktemp("data")
-    text = "".join(f"{w} the quick brown fox {i % 7} jumps over {w}.\n" for i, w in
-                   enumerate(["alpha", "beta", "gamma", "delta", "epsilon"] * 60))
-    src = d / "tiny.txt"
-    src.write_text(text)
-    data.prepare("text", input=src, tokenizer="char", out_name="tiny", data_dir=d, progress=False)
-    return d
 
 
 def cfg_for(tiny_data, out_dir, **kw):

@@ -1,0 +1,23 @@
+"""Shared fixtures: a small character dataset and tiny trained checkpoints, made once per session."""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import data  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A data dir holding 'tiny', a small character dataset."""
+    d = tmp_path_factory.mktemp("data")
+    text = "".join(f"{w} the quick brown fox {i % 7} jumps over {w}.\n" for i, w in
+                   enumerate(["alpha", "beta", "gamma", "delta", "epsilon"] * 60))
+    src = d / "tiny.txt"
+    src.write_text(text)
+    data.prepare("text", input=src, tokenizer="char", out_name="tiny", data_dir=d, progress=False)
+    return d

@@ -1,0 +1,219 @@
+"""cli.py: every command on tiny data and tiny checkpoints, every bad input as one line, and the quick start."""
+import json
+import shutil
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import cli
+import data
+import train as T
+from conftest import ROOT
+
+runner = CliRunner()
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
+        "--eval-iters", "2", "--warmup-iters", "2", "--no-progress"]
+
+
+def run(*args):
+    result = runner.invoke(cli.app, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    return result
+
+
+def ok(*args):
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def refused(message, *args):
+    """The command exits 1 with exactly one line on stderr containing `message`, and no traceback."""
+    result = run(*args)
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+@pytest.fixture(scope="session")
+def runs(tiny_data, tmp_path_factory):
+    """A tiny delta run and a tiny baseline run on 'tiny', 12 steps each, trained through the CLI."""
+    d = tmp_path_factory.mktemp("runs")
+    for mode in ("delta", "baseline"):
+        ok("train", "--residual", mode, "--dataset", "tiny", "--data-dir", tiny_data, "--out-dir", d / mode,
+           "--max-iters", 12, "--eval-interval", 6, *TINY)
+    return d
+
+
+# ---------------------------------------------------------------- every command
+
+def test_prepare_text(tmp_path):
+    (tmp_path / "t.txt").write_text("hello world\n" * 50)
+    out = ok("prepare", "text", "--input", tmp_path / "t.txt", "--name", "hw", "--data-dir", tmp_path / "d")
+    assert "prepared" in out and (tmp_path / "d" / "hw" / "train.bin").exists()
+
+
+def test_train_writes_checkpoints_and_metrics(runs):
+    for mode in ("delta", "baseline"):
+        ckpt = T.load_checkpoint(runs / mode / "last.pt")
+        assert ckpt["iter_num"] == 12 and ckpt["model_config"]["residual"] == mode
+        assert (runs / mode / "best.pt").exists() and T.read_metrics(runs / mode)
+
+
+def test_train_resume_through_the_cli(runs, tmp_path):
+    shutil.copytree(runs / "delta", tmp_path / "delta")
+    out = ok("train", "--out-dir", tmp_path / "delta", "--resume", "--max-iters", 14)
+    assert "after 14 steps" in out
+    assert T.load_checkpoint(tmp_path / "delta" / "last.pt")["iter_num"] == 14
+
+
+def test_sample(runs, tmp_path):
+    out = ok("sample", "--ckpt", runs / "delta" / "last.pt", "--prompt", "alpha", "--num-samples", 2,
+             "--max-new-tokens", 20, "--seed", 1)
+    samples = out.split("---------------\n")
+    assert len(samples) == 3 and all(s.startswith("alpha") and len(s) >= 25 for s in samples[:2])
+    assert out == ok("sample", "--ckpt", runs / "delta" / "last.pt", "--prompt", "alpha", "--num-samples", 2,
+                     "--max-new-tokens", 20, "--seed", 1)  # same seed, same text
+    (tmp_path / "p.txt").write_text("beta the")
+    out = ok("sample", "--ckpt", runs / "delta" / "last.pt", "--prompt-file", tmp_path / "p.txt",
+             "--num-samples", 1, "--max-new-tokens", 5, "--temperature", 0)
+    assert out.startswith("beta the")
+
+
+def test_report_one_and_two_checkpoints(runs, tmp_path):
+    out = ok("report", "--ckpt", runs / "delta" / "last.pt", "--batches", 2, "--out", tmp_path / "one")
+    assert "h.1.mlp" in out and "max weight, deeper half" in out
+    stats = json.loads((tmp_path / "one" / "report.json").read_text())["delta"]
+    assert [r["n"] for r in stats["sublayers"]] == [1, 2, 3, 4]
+    assert all(1 / r["n"] - 1e-6 <= r["max_weight"] <= 1 + 1e-6 for r in stats["sublayers"])
+    png = matplotlib.image.imread(tmp_path / "one" / "report.png")
+    assert png.shape[0] > 200 and png.shape[1] > 200 and png.std() > 0.05
+    ok("convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "attnres", "--out", tmp_path / "a.pt",
+       "--eval-iters", 1)
+    out = ok("report", "--ckpt", runs / "delta" / "last.pt", "--ckpt", tmp_path / "a.pt", "--batches", 1,
+             "--out", tmp_path / "two")
+    both = json.loads((tmp_path / "two" / "report.json").read_text())
+    assert set(both) == {"delta", "attnres"} and "max w delta" in out and "max w attnres" in out
+    assert matplotlib.image.imread(tmp_path / "two" / "report.png").shape[1] > png.shape[1]
+
+
+@pytest.mark.parametrize("residual,exact", [("delta", True), ("attnres", True), ("delta_block", False)])
+def test_convert_measures_before_and_after(runs, tmp_path, residual, exact):
+    out = ok("convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", residual, "--out", tmp_path / "c.pt",
+             "--eval-iters", 2)
+    before, after = [float(x.split()[-1].rstrip(",")) for x in out.split("(change")[0].split(":")[1].split(",")]
+    ckpt = T.load_checkpoint(tmp_path / "c.pt")
+    assert ckpt["model_config"]["residual"] == residual
+    assert all(torch.count_nonzero(v) == 0 for k, v in ckpt["model"].items() if k.endswith("router.query"))
+    if exact:  # equal up to LayerNorm eps, which replacement routing weighs ~n^2 more (tiny model, 12 steps)
+        assert abs(after - before) < (2e-2 if residual == "attnres" else 2e-3)
+        assert "baseline's function at zero init" in out
+    else:
+        assert "--route-partial makes the conversion exact" in out
+    # the converted checkpoint is a usable model: it evaluates and samples
+    assert "val loss" in ok("eval", "--ckpt", tmp_path / "c.pt", "--eval-iters", 1)
+
+
+def test_bench(monkeypatch):
+    import bench
+    from delta_gpt import GPTConfig
+    monkeypatch.setitem(bench.CONFIGS, "cpu", (GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), 2))
+    out = ok("bench", "--config", "cpu", "--residual", "baseline,delta", "--iters", 1, "--rounds", 1)
+    assert "| baseline |" in out and "| delta |" in out and "tokens/s" in out and "saved MB" in out
+
+
+def test_compare_two_modes(tiny_data, tmp_path):
+    args = ["compare", "--residual", "baseline,delta", "--seeds", "1,2", "--max-iters", 4, "--out", tmp_path / "cmp",
+            "--dataset", "tiny", "--data-dir", tiny_data, "--eval-interval", 2, *TINY]
+    out = ok(*args)
+    assert "| baseline | 2 |" in out and "| delta | 2 |" in out and "+0.00%" in out
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [r["mode"] for r in result["rows"]] == ["baseline", "delta"]
+    assert all(len(result["runs"][m]) == 2 for m in ("baseline", "delta"))
+    assert matplotlib.image.imread(tmp_path / "cmp" / "curves.png").shape[0] > 100
+    assert "reusing the finished run" in ok(*args)  # a second compare reuses the runs
+
+
+def test_eval(runs):
+    out = ok("eval", "--ckpt", runs / "delta" / "last.pt", "--eval-iters", 2)
+    assert "tiny val loss" in out and "perplexity" in out
+
+
+def test_help_lists_every_command_and_train_option():
+    out = ok("--help")
+    for command in ("prepare", "train", "sample", "report", "convert", "bench", "compare", "eval"):
+        assert command in out
+    assert "--max-iters" in ok("train", "--help") and "--route-lr-mult" in ok("train", "--help")
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_missing_and_corrupt_checkpoints(tmp_path):
+    for command in ("sample", "report", "eval"):
+        refused("does not exist", command, "--ckpt", tmp_path / "nope.pt")
+    (tmp_path / "bad.pt").write_bytes(b"\x80\x02garbage")
+    for command in ("sample", "report", "eval"):
+        refused("is unreadable", command, "--ckpt", tmp_path / "bad.pt")
+    refused("does not exist", "convert", "--ckpt", tmp_path / "nope.pt", "--residual", "delta", "--out", tmp_path / "x.pt")
+
+
+def test_checkpoint_and_dataset_with_different_tokenizers(runs, tiny_data, tmp_path):
+    (tmp_path / "other.txt").write_text("completely different characters: XYZ 123 ~~~\n" * 40)
+    data.prepare("text", input=tmp_path / "other.txt", tokenizer="char", out_name="other", data_dir=tiny_data,
+                 progress=False)
+    refused("different tokenizer or vocabulary", "eval", "--ckpt", runs / "delta" / "last.pt", "--dataset", "other")
+
+
+def test_unknown_mode_and_preset(runs, tmp_path):
+    refused("residual='resnet' is unknown", "train", "--residual", "resnet")
+    refused("unknown preset 'huge'", "train", "--preset", "huge")
+    refused("unknown option --max-iter; did you mean --max-iters?", "train", "--max-iter", "3")
+    refused("--max-iters expects an integer", "train", "--max-iters", "many")
+    refused("unknown mode 'resnet'", "compare", "--residual", "baseline,resnet")
+    refused("unknown preset 'huge'", "compare", "--preset", "huge", "--out", tmp_path / "c")
+    refused("unknown mode 'resnet'", "bench", "--residual", "resnet")
+    refused("is not a routed mode", "convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "resnet",
+            "--out", tmp_path / "x.pt")
+    refused("already a delta model", "convert", "--ckpt", runs / "delta" / "last.pt", "--residual", "attnres",
+            "--out", tmp_path / "x.pt")
+
+
+def test_bad_sample_arguments(runs, tmp_path):
+    ckpt = runs / "delta" / "last.pt"
+    refused("the prompt is empty", "sample", "--ckpt", ckpt, "--prompt", "")
+    (tmp_path / "empty.txt").write_text("")
+    refused("the prompt is empty", "sample", "--ckpt", ckpt, "--prompt-file", tmp_path / "empty.txt")
+    refused("character 'Q' is not in this dataset's vocabulary", "sample", "--ckpt", ckpt, "--prompt", "Quick")
+    refused("--top-k must be between 1 and the vocabulary size", "sample", "--ckpt", ckpt, "--top-k", 0)
+    refused("--top-k must be between 1 and the vocabulary size", "sample", "--ckpt", ckpt, "--top-k", 100000)
+    refused("--max-new-tokens must be at least 1", "sample", "--ckpt", ckpt, "--max-new-tokens", 0)
+    refused("prompt file", "sample", "--ckpt", ckpt, "--prompt-file", tmp_path / "missing.txt")
+
+
+def test_report_refuses_baseline(runs):
+    refused("is a baseline model: it has no routing to report", "report", "--ckpt", runs / "baseline" / "last.pt")
+
+
+def test_prepare_unknown_dataset():
+    refused("unknown dataset", "prepare", "wikipedia")
+
+
+# ---------------------------------------------------------------- the quick start
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_quick_start_make_train(tmp_path):
+    """`make train` as the README gives it (prepare, train delta, sample, report), on a tiny setting."""
+    r = subprocess.run(["make", "-s", "-o", ".venv/.installed", "train", f"PY={sys.executable}",
+                        f"RUN={tmp_path / 'run'}", f"DATA_ARGS=--data-dir {tmp_path / 'data'}",
+                        "TRAIN_ARGS=--max-iters 20 --eval-interval 10 --eval-iters 2 --n-layer 2 --no-progress"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "prepared" in r.stdout and "done: val loss" in r.stdout and "---------------" in r.stdout
+    assert "max weight, deeper half" in r.stdout
+    assert (tmp_path / "run" / "report" / "report.png").exists()
