@@ -125,9 +125,8 @@ class MLP(nn.Module):
 class Router(nn.Module):
     """Depth-wise attention over a sublayer's sources: alpha_i = softmax_i(w . RMSNorm_g(s_i)).
 
-    forward(sources, inv_rms, base) returns base + sum_i alpha_i * s_i (base is the stream x_{k-1} for
-    additive routing, None for replacement) and alpha. The fast path (RouteRead) never stacks the
-    sources; the reference path (fast = False) is the formula as written. A test holds them equal.
+    forward(sources, inv_rms) returns read = sum_i alpha_i * s_i and alpha. The fast path (RouteRead) never
+    stacks the sources; the reference path (fast = False) is the formula as written. A test holds them equal.
     """
 
     def __init__(self, n_embd):
@@ -136,27 +135,25 @@ class Router(nn.Module):
         self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # its weight is the key gain g
         self.fast = True
 
-    def forward(self, sources, inv_rms, base=None):
-        """sources: n tensors (B, T, D); inv_rms: their 1/rms, n tensors (B, T) in float32; base: (B, T, D)
-        or None. Returns (base +) read (B, T, D) and alpha (B, T, n) in float32."""
+    def forward(self, sources, inv_rms):
+        """sources: n tensors (B, T, D); inv_rms: their 1/rms, n tensors (B, T) in float32.
+        Returns read (B, T, D) and alpha (B, T, n) in float32."""
         if not self.fast:
-            return self.forward_reference(sources, base)
+            return self.forward_reference(sources)
         wg = upcast(self.query) * upcast(self.norm.weight)  # (D,) the gain folded into the query
-        return RouteRead.apply(base, wg, torch.stack(inv_rms, dim=-1), *sources)
+        return RouteRead.apply(wg, torch.stack(inv_rms, dim=-1), *sources)
 
-    def forward_reference(self, sources, base=None):
+    def forward_reference(self, sources):
         with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
             s = torch.stack([upcast(s) for s in sources], dim=-2)    # (B, T, n, D)
             keys = F.rms_norm(s, s.shape[-1:], upcast(self.norm.weight), ROUTE_EPS)  # RMSNorm_g(s_i)
             alpha = (keys @ upcast(self.query)).softmax(dim=-1)      # (B, T, n)
             read = (alpha.unsqueeze(-1) * s).sum(dim=-2)             # (B, T, n, 1) * (B, T, n, D) -> (B, T, D)
-        if base is None:
-            return read.to(sources[0].dtype), alpha
-        return (base + read).to(base.dtype), alpha
+        return read.to(sources[0].dtype), alpha
 
 
 class RouteRead(torch.autograd.Function):
-    """The router's fast path: out = base + sum_i alpha_i s_i, alpha = softmax_i((wg . s_i) * r_i).
+    """The router's fast path: read = sum_i alpha_i s_i, alpha = softmax_i((wg . s_i) * r_i).
 
     The RMSNorm gain is folded into the query, wg = w * g, since w . (g * s / rms(s)) = (wg . s) / rms(s),
     and r_i = 1/rms(s_i) comes from the Stream, computed once per source. Only references to the
@@ -166,18 +163,16 @@ class RouteRead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, base, wg, r, *sources):
+    def forward(ctx, wg, r, *sources):
         with torch.autocast(sources[0].device.type, enabled=False):
             dots = torch.stack([upcast(s) @ wg for s in sources], dim=-1)  # wg . s_i, (B, T, n)
             alpha = (dots * r).softmax(dim=-1)
-            out = alpha[..., 0, None] * upcast(sources[0])
+            read = alpha[..., 0, None] * upcast(sources[0])
             for i in range(1, len(sources)):
-                out.addcmul_(alpha[..., i, None], sources[i])
-            if base is not None:
-                out += base
+                read.addcmul_(alpha[..., i, None], sources[i])
         ctx.save_for_backward(wg, r, alpha, dots, *sources)
         ctx.mark_non_differentiable(alpha)
-        return out.to(sources[0].dtype if base is None else base.dtype), alpha
+        return read.to(sources[0].dtype), alpha
 
     @staticmethod
     def backward(ctx, grad, _):
@@ -193,8 +188,7 @@ class RouteRead(torch.autograd.Function):
                 g_s = (g * alpha[..., i, None]).addcmul_(c[..., i, None], wg)  # alpha_i g + c_i wg
                 g_sources.append(g_s.to(s.dtype))
                 g_wg.addmv_(upcast(s).reshape(-1, s.size(-1)).t(), c[..., i].reshape(-1))
-        g_base = grad if ctx.needs_input_grad[0] else None
-        return (g_base, g_wg, g_logits * dots, *g_sources)
+        return (g_wg, g_logits * dots, *g_sources)
 
 
 def upcast(t):
@@ -245,10 +239,10 @@ class Stream:
         if router is None:
             return self.x
         sources, scales = self.current_sources()
-        u, alpha = router(sources, scales, self.x if self.additive else None)
+        r, alpha = router(sources, scales)
         if self.record is not None:
             self.record.append((sources, alpha))
-        return u
+        return self.x + r if self.additive else r
 
     def write(self, v):
         self.k += 1
