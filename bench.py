@@ -19,7 +19,7 @@ import torch
 
 from delta_gpt import GPT, GPTConfig, RESIDUALS
 
-# name -> (model config, batch size); vocab 50304 as GPT-2, fp32 eager on the CPU
+# name -> (model config, batch size), fp32 eager on the CPU: the cpu preset's model (character vocabulary) and GPT-2 small
 CONFIGS = {
     "cpu": (GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0), 12),
     "d768": (GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=128, dropout=0.0), 4),

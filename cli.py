@@ -302,15 +302,17 @@ def compare(
         overrides["max_iters"] = max_iters
     runs, curves = {}, {}
     for mode in modes:
+        # routing options (--n-route-blocks, --route-sources, ...) apply to the routed modes only
+        mode_overrides = {k: v for k, v in overrides.items() if mode != "baseline" or k not in T.ROUTE_FIELDS}
         for seed in seed_list:
-            cfg = T.make_config(preset, **overrides, residual=mode, seed=seed, out_dir=str(out / f"{mode}-s{seed}"))
+            cfg = T.make_config(preset, **mode_overrides, residual=mode, seed=seed, out_dir=str(out / f"{mode}-s{seed}"))
             last = Path(cfg.out_dir) / "last.pt"
             done = T.load_checkpoint(last, mmap=True)["iter_num"] if last.exists() else None
             if done is not None and done >= cfg.max_iters:
                 typer.echo(f"{mode} seed {seed}: reusing the finished run in {cfg.out_dir}")
             else:
                 if done is not None:
-                    cfg = T.resume_config(preset, **overrides, residual=mode, seed=seed, out_dir=cfg.out_dir, resume=True)
+                    cfg = T.resume_config(preset, **mode_overrides, residual=mode, seed=seed, out_dir=cfg.out_dir, resume=True)
                 T.train(cfg)
             rows = T.read_metrics(cfg.out_dir)
             evals = [r for r in rows if r["kind"] == "eval"]

@@ -12,9 +12,10 @@ A sublayer's router holds a zero-initialised pseudo-query w and an RMSNorm gain 
     alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
 
 The sources are the pieces of the residual stream: the embedding e and the sublayer outputs v_1..v_{k-1},
-or their sums over blocks of sublayers. They always telescope (sum to x_{k-1}) except for plain delta_block,
-so with all queries at zero every mode but plain delta_block computes the baseline's function.
-See ../shared/SPEC.md for the full definition. The code follows nanoGPT's model.py, names included.
+or their sums over blocks of sublayers. They telescope (sum to x_{k-1}) in attnres, delta and delta_block
+with route_partial, so with all queries at zero those compute the baseline's function (LayerNorm is scale
+invariant); plain delta_block and route_sources="cumulative" do not. The code follows nanoGPT's model.py,
+names included; the project's SPEC.md section 2 is the full definition.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -540,11 +541,11 @@ class GPT(nn.Module):
         nodecay = [p for p in params if p.dim() < 2 and id(p) not in route]
         routing = [p for p in params if id(p) in route]
         optim_groups = [
-            {'params': decay, 'weight_decay': weight_decay, 'lr_mult': 1.0},
-            {'params': nodecay, 'weight_decay': 0.0, 'lr_mult': 1.0},
+            {'params': decay, 'weight_decay': weight_decay, 'lr_mult': 1.0, 'name': 'decay'},
+            {'params': nodecay, 'weight_decay': 0.0, 'lr_mult': 1.0, 'name': 'no_decay'},
         ]
         if routing:
-            optim_groups.append({'params': routing, 'weight_decay': 0.0, 'lr_mult': route_lr_mult})
+            optim_groups.append({'params': routing, 'weight_decay': 0.0, 'lr_mult': route_lr_mult, 'name': 'routing'})
         for group in optim_groups:
             group['lr'] = learning_rate * group['lr_mult']
         print(f"num decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")

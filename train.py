@@ -44,7 +44,8 @@ MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", 
                 "n_route_blocks", "route_partial", "route_sources")  # TrainConfig fields that build GPTConfig
 ARCH_FIELDS = tuple(f for f in MODEL_FIELDS if f != "dropout") + ("vocab_size",)  # fixed once trained
 ROUTE_FIELDS = ("residual", "n_route_blocks", "route_partial", "route_sources")  # --init-from may change these
-EVAL_SEED = 1337  # the fixed evaluation batches do not depend on the training seed
+GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+EVAL_SEED = 20260518  # seeds the fixed evaluation batches, the same whatever the training seed
 
 
 class TrainError(RuntimeError):
@@ -128,6 +129,8 @@ def make_config(preset=None, **overrides):
     unknown = set(overrides) - {f.name for f in fields(TrainConfig)}
     if unknown:
         raise ValueError(f"unknown TrainConfig field(s) {', '.join(sorted(unknown))}")
+    if overrides.get("resume") and overrides.get("init_from", "scratch") != "scratch":
+        raise ValueError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
     cfg = replace(TrainConfig(), **{**PRESETS[preset], **overrides, "preset": preset})
     check_config(cfg)
     return cfg
@@ -136,12 +139,15 @@ def make_config(preset=None, **overrides):
 def resume_config(preset=None, **overrides):
     """The config of the run in out_dir (from its last.pt) with `overrides` on top, for --resume.
     The architecture may not change (train() refuses it, naming the fields); other changes are logged."""
-    fresh = make_config(preset, **overrides)
+    if overrides.get("init_from", "scratch") != "scratch":
+        raise ValueError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
+    fresh = make_config(preset, **{**overrides, "resume": True})
     ckpt = load_checkpoint(Path(out_dir_of(fresh)) / "last.pt", mmap=True)
     names = {f.name for f in fields(TrainConfig)}
     saved = replace(TrainConfig(), **{k: v for k, v in ckpt["config"].items() if k in names})
     if preset is not None and preset != saved.preset:
         raise ValueError(f"--preset {preset} differs from the run's preset {saved.preset}; a resumed run keeps its preset")
+    # the saved init_from only records where the run began: its weights now come from last.pt
     cfg = replace(saved, **{**overrides, "resume": True})
     check_config(cfg)
     return cfg
@@ -167,8 +173,10 @@ def check_config(cfg):
             raise ValueError(f"--device {cfg.device!r} is unknown; choose auto, cpu, cuda, cuda:N or mps") from None
     if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype {cfg.dtype!r} is unknown; choose auto, float32, bfloat16 or float16")
-    if cfg.resume and cfg.init_from != "scratch":
-        raise ValueError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
+    if cfg.init_from in GPT2_MODELS and cfg.block_size > 1024:
+        raise ValueError(f"--init-from {cfg.init_from} has 1024 positions; use --block-size 1024 or less")
+    if cfg.eval_only and not cfg.resume and cfg.init_from == "scratch":
+        raise ValueError("--eval-only evaluates a trained model: add --resume (out_dir/last.pt) or --init-from PATH")
     model_config(cfg, vocab_size=1)  # GPTConfig checks the model fields
 
 
@@ -272,11 +280,13 @@ def load_checkpoint(path, map_location="cpu", mmap=False):
 
 
 def model_from_checkpoint(ckpt, **override):
-    """The GPT stored in a checkpoint (nanoGPT's `_orig_mod.` prefixes stripped); `override` changes
-    config fields such as residual, and then only routing keys may be missing."""
+    """The GPT stored in a checkpoint (nanoGPT's `_orig_mod.` prefixes stripped). `override` may change
+    config fields such as residual; when the routing changes, routing weights start at zero init."""
     config = GPTConfig(**{**ckpt["model_config"], **override})
     model = GPT(config)
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+    if any(getattr(config, k) != ckpt["model_config"].get(k) for k in ROUTE_FIELDS):
+        state = {k: v for k, v in state.items() if not is_routing_key(k)}  # new routing starts at zero init
     missing, unexpected = model.load_state_dict(state, strict=False)
     bad = [k for k in missing if not is_routing_key(k)] + list(unexpected)
     if bad:
@@ -329,7 +339,8 @@ def derive_seed(*key):
 def eval_batch(ds, split, k, batch_size, block_size, device):
     """Evaluation batch k of a split: the same for every evaluation of every run, whatever the seed."""
     arr = ds.val if split == "val" else ds.train
-    return get_batch(arr, block_size, batch_starts(arr, block_size, batch_size, (EVAL_SEED, int(split == "val"), k)), device)
+    key = (EVAL_SEED, 1, int(split == "val"), k)  # four numbers: never a training step's key (seed, 0, step)
+    return get_batch(arr, block_size, batch_starts(arr, block_size, batch_size, key), device)
 
 
 @torch.no_grad()
@@ -477,6 +488,9 @@ def _train(cfg, rank, world_size, device):
     elif ckpt_path.exists() and not cfg.overwrite and not cfg.eval_only:
         raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it, --overwrite to start "
                          f"over, or another --out-dir")
+    elif cfg.overwrite and master and not cfg.eval_only:  # the old run's checkpoints must not be resumed by mistake
+        for old in ("last.pt", "best.pt"):
+            (out_dir / old).unlink(missing_ok=True)
     if cfg.gradient_accumulation_steps % world_size:
         raise ValueError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple "
                          f"of the number of processes {world_size}")
@@ -493,16 +507,24 @@ def _train(cfg, rank, world_size, device):
     meta = ds.meta
 
     model, iter_num, best_val_loss = build_model(cfg, ckpt, ds)
+    # the config records the model actually built (GPT-2 weights bring their own shape)
+    cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})
     model.to(device)
 
     # optimizer and gradient scaler (a no-op unless float16)
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
     optimizer = quiet(model.configure_optimizers, cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                       device.type, route_lr_mult=cfg.route_lr_mult)
+    elapsed = 0.0
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
-        scaler.load_state_dict(ckpt["scaler"])
+        for group in optimizer.param_groups:  # this run's settings, not the saved ones
+            group.update(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay if group["name"] == "decay" else 0.0,
+                         lr_mult=cfg.route_lr_mult if group["name"] == "routing" else 1.0)
+        if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
+            scaler.load_state_dict(ckpt["scaler"])
         restore_rng(ckpt["rng"])
+        elapsed = ckpt.get("elapsed", 0.0)
     ckpt = None # free up memory
 
     raw_model = model
@@ -528,12 +550,15 @@ def _train(cfg, rank, world_size, device):
             out["routing"] = routing_stats(raw_model, ds, 1, cfg.batch_size, ctx)
         return out
 
+    saved_step = iter_num if cfg.resume else None  # the step last.pt holds, for messages
+
     def checkpoint(path, step):
         save_checkpoint(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                              model_config=asdict(raw_model.config), config=asdict(cfg), iter_num=step,
                              best_val_loss=best_val_loss, rng=rng_state(), dataset=dataset_info(meta, cfg.dataset),
-                             commit=record.commit), path)
+                             elapsed=elapsed + time.time() - t_start, commit=record.commit), path)
 
+    t_start = time.time() - elapsed  # wall time counts on across resumes
     if cfg.eval_only:
         losses = evaluate() if master else {}
         if master:
@@ -543,7 +568,7 @@ def _train(cfg, rank, world_size, device):
     model.train()
     bar = tqdm(total=cfg.max_iters, initial=iter_num, disable=not (master and cfg.progress), dynamic_ncols=True,
                desc=cfg.residual)
-    t_start, t_last, last_loss, tok_s, stopped = time.time(), time.time(), float("nan"), None, None
+    t_last, last_loss, tok_s, stopped = time.time(), float("nan"), None, None
     val_loss = None
     with StopFlag() as stop:
         while True:
@@ -561,8 +586,10 @@ def _train(cfg, rank, world_size, device):
                     best_val_loss = losses["val"]
                     if iter_num > 0:
                         checkpoint(out_dir / "best.pt", iter_num)
-            if master and iter_num > record.start_step and (iter_num % cfg.ckpt_interval == 0 or final):
+            due = iter_num % cfg.ckpt_interval == 0 or final
+            if master and (due and iter_num > record.start_step or final and saved_step is None):
                 checkpoint(ckpt_path, iter_num)
+                saved_step = iter_num
             if final:
                 break
 
@@ -595,12 +622,16 @@ def _train(cfg, rank, world_size, device):
                     checkpoint(ckpt_path, iter_num)
                 stopped = f"stopped by signal at step {iter_num}; checkpoint {ckpt_path} written (continue with --resume)"
                 break
+            kept = (f"{ckpt_path} still holds step {saved_step}" if saved_step is not None
+                    else "no checkpoint was written yet")
             if not math.isfinite(step_loss):
-                raise TrainError(f"loss is {step_loss} at step {iter_num}; stopped without saving it, so {ckpt_path} "
-                                 f"still holds the last good state (lower --learning-rate or check the data)")
-            if cfg.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                raise TrainError(f"loss is {step_loss} at step {iter_num}; stopped without applying it, {kept} "
+                                 f"(lower --learning-rate or check the data)")
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf")).item()
+            if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps itself
+                raise TrainError(f"gradient norm is {grad_norm} at step {iter_num} (loss {step_loss:.4f}); stopped "
+                                 f"without applying it, {kept} (lower --learning-rate or check the data)")
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -645,7 +676,7 @@ def build_model(cfg, ckpt, ds):
     if cfg.init_from == "scratch":
         vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's padded to a multiple of 64
         model = GPT(model_config(cfg, vocab_size))
-    elif cfg.init_from.startswith("gpt2"):
+    elif cfg.init_from in GPT2_MODELS:
         if ds.tokenizer.name != "gpt2":
             raise ValueError(f"--init-from {cfg.init_from} needs a GPT-2 BPE dataset; {cfg.dataset} is {ds.tokenizer.name}")
         model = GPT.from_pretrained(cfg.init_from, route)
@@ -683,6 +714,8 @@ def dataset_info(meta, name):
 
 
 def rng_state():
+    """The RNG states, saved in checkpoints. (Dropout is reseeded from (seed, step, rank) every step, so
+    resuming is exact without them; they are restored for anything else that draws random numbers.)"""
     state = dict(torch=torch.get_rng_state())
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -690,9 +723,9 @@ def rng_state():
 
 
 def restore_rng(state):
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    torch.set_rng_state(state["torch"].cpu())  # RNG states must be CPU byte tensors, wherever the checkpoint was mapped
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 class RunRecord:
@@ -708,10 +741,11 @@ class RunRecord:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         if resume_step is None:
             self.path.write_text("")
-        elif self.path.exists():  # drop lines a crash left past the checkpoint; they will be logged again
-            lines = [l for l in self.path.read_text().splitlines() if l.strip()]
-            keep = [l for l in lines if json.loads(l).get("step", 0) <= resume_step]
-            self.path.write_text("".join(l + "\n" for l in keep))
+        elif self.path.exists():  # drop lines a crash left past the checkpoint (and a torn last line)
+            keep = [l for l in self.path.read_text().splitlines() if (row := parse_row(l)) and row.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(l + "\n" for l in keep))
+            os.replace(tmp, self.path)
 
     def write_config(self, cfg, model, meta, world_size, device, dtype):
         info = dict(config=asdict(cfg), model_config=asdict(model.config), params=model.get_num_params(),
@@ -725,10 +759,19 @@ class RunRecord:
                 f.write(json.dumps({k: v for k, v in row.items() if v is not None}) + "\n")
 
 
+def parse_row(line):
+    """One metrics.jsonl line as a dict, or None for a blank or torn (half-written) line."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_metrics(out_dir):
     """The rows of a run's metrics.jsonl."""
     path = Path(out_dir) / "metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    return [row for l in path.read_text().splitlines() if (row := parse_row(l))] if path.exists() else []
 
 
 def main(argv=None):

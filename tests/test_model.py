@@ -263,6 +263,28 @@ def test_logits_and_softmax_in_float32_under_autocast():
     assert any(s.dtype == torch.bfloat16 for sources, _ in record for s in sources)
 
 
+def test_router_under_bf16_autocast_matches_float64():
+    """Mixed sources (an fp32 embedding, bf16 sublayer outputs) under bf16 autocast: outputs and gradients
+    match a float64 reference to bf16 rounding, and alpha is float32 (computed, not cast, in float32)."""
+    router, sources = router_inputs(n=4, B=2, T=5, D=32, dtype=torch.float32)
+    mixed = [sources[0]] + [s.detach().bfloat16().requires_grad_() for s in sources[1:]]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        read, alpha = router(mixed, [inv_rms(s) for s in mixed])
+    assert alpha.dtype == torch.float32
+    (read.float() * torch.linspace(-1, 1, 32)).sum().backward()
+    ref = Router(32).double()
+    ref.load_state_dict(router.state_dict())
+    ref.fast = False
+    exact = [s.detach().double().requires_grad_() for s in mixed]
+    read64, alpha64 = ref(exact, None)
+    (read64 * torch.linspace(-1, 1, 32, dtype=torch.float64)).sum().backward()
+    torch.testing.assert_close(alpha.double(), alpha64, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(read.double(), read64, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(router.query.grad.double(), ref.query.grad, atol=1e-5, rtol=1e-4)
+    for s, s64 in zip(mixed, exact):
+        torch.testing.assert_close(s.grad.double(), s64.grad, atol=1e-2, rtol=1e-2)
+
+
 def test_manual_attention_equals_sdpa():
     model = model_of(tiny("delta"), queries=1.0)
     idx = idx_batch()
@@ -474,8 +496,12 @@ def test_compile_fullgraph_matches_eager():
     model = model_of(tiny("delta", n_layer=2), queries=1.0)
     idx = idx_batch(T=16)
     eager_logits, eager_loss = model(idx, idx)
+    eager_loss.backward()
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
     compiled = torch.compile(model, fullgraph=True)
     logits, loss = compiled(idx, idx)
     torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1e-5)
     loss.backward()
-    assert all(p.grad is not None for p in model.route_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, eager_grads[name], atol=1e-5, rtol=1e-4, msg=name)

@@ -72,13 +72,13 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one(tiny_data, tmp_path):
     """torchrun --nproc_per_node=2 (gloo) with 1 micro-step each == 1 process with 2 micro-steps."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo")
     common = cli_args(tiny_data, tmp_path / "x", residual="delta", gradient_accumulation_steps=2, max_iters=3)
     ddp = common[:common.index("--out-dir")] + ["--out-dir", str(tmp_path / "ddp")] + common[common.index("--out-dir") + 2:]
     one = common[:common.index("--out-dir")] + ["--out-dir", str(tmp_path / "one")] + common[common.index("--out-dir") + 2:]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(ROOT / "train.py"), *ddp], capture_output=True, text=True, env=env, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), *one], capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     a, b = params(tmp_path / "ddp" / "last.pt"), params(tmp_path / "one" / "last.pt")
@@ -306,3 +306,150 @@ def test_lr_schedule():
     assert T.get_lr(10, cfg) == pytest.approx(1.0)
     assert T.get_lr(100, cfg) == pytest.approx(0.1)
     assert 0.1 < T.get_lr(55, cfg) < 1.0
+
+
+# ---------------------------------------------------------------- review follow-ups
+
+def test_resume_after_interrupt_is_bit_exact(tiny_data, tmp_path, monkeypatch):
+    """A run stopped by a signal mid-run (step 3 of 8), then resumed, equals the uninterrupted run."""
+    T.train(cfg_for(tiny_data, tmp_path / "full", residual="delta", dropout=0.1))
+    calls = {"n": 0}
+    forward = GPT.forward
+
+    def interrupted(self, idx, targets=None):
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 4:  # during step 3: the handler sets the flag, the step is dropped
+                os.kill(os.getpid(), signal.SIGINT)
+        return forward(self, idx, targets)
+
+    monkeypatch.setattr(GPT, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        T.train(cfg_for(tiny_data, tmp_path / "cut", residual="delta", dropout=0.1))
+    monkeypatch.setattr(GPT, "forward", forward)
+    assert T.load_checkpoint(tmp_path / "cut" / "last.pt")["iter_num"] == 3
+    T.train(T.resume_config(out_dir=str(tmp_path / "cut")))
+    assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "full")
+    a, b = params(tmp_path / "full" / "last.pt"), params(tmp_path / "cut" / "last.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_non_finite_gradient_with_finite_loss_stops_before_applying(tiny_data, tmp_path, monkeypatch):
+    cfg = cfg_for(tiny_data, tmp_path / "run", ckpt_interval=2)
+    calls = {"n": 0}
+    forward = GPT.forward
+
+    def poisoned(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 4:  # a finite loss whose gradient is inf
+                loss = _InfGrad.apply(loss)
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    with pytest.raises(T.TrainError, match="gradient norm is (inf|nan) at step 3"):
+        T.train(cfg)
+    ckpt = T.load_checkpoint(tmp_path / "run" / "last.pt")
+    assert ckpt["iter_num"] == 2 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+class _InfGrad(torch.autograd.Function):
+    """Identity forward, infinite gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
+def test_resume_applies_changed_optimizer_settings(tiny_data, tmp_path, monkeypatch):
+    T.train(cfg_for(tiny_data, tmp_path / "run", residual="delta", max_iters=4))
+    seen = {}
+    step = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        seen.update({g["name"]: (g["weight_decay"], g["betas"], g["lr_mult"]) for g in self.param_groups})
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    T.train(T.resume_config(out_dir=str(tmp_path / "run"), max_iters=5, weight_decay=0.0, beta2=0.5, route_lr_mult=5.0))
+    assert seen == {"decay": (0.0, (0.9, 0.5), 1.0), "no_decay": (0.0, (0.9, 0.5), 1.0), "routing": (0.0, (0.9, 0.5), 5.0)}
+
+
+def test_resume_float32_run_as_float16(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
+    T.train(T.resume_config(out_dir=str(tmp_path / "run"), max_iters=3, dtype="float16"))
+    assert T.load_checkpoint(tmp_path / "run" / "last.pt")["scaler"]  # the enabled scaler's state is saved
+
+
+def test_torn_metrics_line_does_not_block_resume(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=4))
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 5, "train_lo')  # a kill -9 mid-write
+    T.train(T.resume_config(out_dir=str(tmp_path / "run"), max_iters=6))
+    assert [s for s, _ in train_losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_run_started_with_init_from_can_resume(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=4))
+    T.train(cfg_for(tiny_data, tmp_path / "delta", residual="delta", max_iters=4,
+                    init_from=str(tmp_path / "base" / "last.pt")))
+    T.train(T.resume_config(out_dir=str(tmp_path / "delta"), max_iters=6))
+    assert T.load_checkpoint(tmp_path / "delta" / "last.pt")["iter_num"] == 6
+    with pytest.raises(ValueError, match="cannot be combined with --init-from"):
+        T.resume_config(out_dir=str(tmp_path / "delta"), init_from="x.pt")
+
+
+def test_init_from_routed_checkpoint_into_other_mode_zeroes_routing(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "delta", residual="delta", max_iters=4, learning_rate=0.05))
+    src = T.load_checkpoint(tmp_path / "delta" / "last.pt")
+    assert any(torch.count_nonzero(v) for k, v in src["model"].items() if k.endswith("router.query"))
+    model = T.model_from_checkpoint(src, residual="attnres")
+    assert all(torch.count_nonzero(p) == 0 for n, p in model.named_parameters() if n.endswith("router.query"))
+    same = T.model_from_checkpoint(src)  # same routing: the trained queries are kept
+    assert any(torch.count_nonzero(p) for n, p in same.named_parameters() if n.endswith("router.query"))
+
+
+def test_overwrite_removes_the_old_checkpoints(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=4))
+    cfg = cfg_for(tiny_data, tmp_path / "run", residual="delta", max_iters=0, overwrite=True)
+    T.train(cfg)
+    assert not (tmp_path / "run" / "best.pt").exists()
+    assert T.load_checkpoint(tmp_path / "run" / "last.pt")["model_config"]["residual"] == "delta"
+
+
+def test_eval_only_needs_a_trained_model(tiny_data, tmp_path):
+    with pytest.raises(ValueError, match="--eval-only evaluates a trained model"):
+        cfg_for(tiny_data, tmp_path / "run", eval_only=True)
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
+    out = T.train(T.resume_config(out_dir=str(tmp_path / "run"), eval_only=True))
+    assert out["iter_num"] == 2 and out["val_loss"] > 0
+
+
+def test_init_from_gpt2_takes_the_models_shape(tmp_path, monkeypatch):
+    """--init-from gpt2 with from_pretrained stubbed (no internet here): the config follows the model."""
+    (tmp_path / "t.txt").write_text("Hello world, this is a tiny GPT-2 BPE dataset for a test.\n" * 40)
+    data.prepare("text", input=tmp_path / "t.txt", tokenizer="gpt2", out_name="bpe", data_dir=tmp_path, progress=False)
+    calls = []
+
+    def fake_from_pretrained(model_type, override_args=None):
+        calls.append((model_type, override_args))
+        return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=1024, vocab_size=50257, bias=True, **override_args))
+
+    monkeypatch.setattr(GPT, "from_pretrained", staticmethod(fake_from_pretrained))
+    cfg = T.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), init_from="gpt2",
+                        residual="delta", block_size=16, batch_size=2, max_iters=1, eval_iters=1, progress=False)
+    T.train(cfg)
+    assert calls[0][0] == "gpt2" and calls[0][1]["residual"] == "delta"
+    saved = T.load_checkpoint(tmp_path / "run" / "last.pt")
+    assert saved["config"]["n_layer"] == saved["model_config"]["n_layer"] == 1
+    assert saved["model_config"]["block_size"] == 16 and saved["config"]["bias"] is True
+    with pytest.raises(ValueError, match="has 1024 positions"):
+        T.make_config("cpu", init_from="gpt2", block_size=2048)
+    with pytest.raises(FileNotFoundError, match="gpt2_run.pt does not exist"):  # a path, not a model name
+        T.train(T.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "r3"),
+                              init_from=str(tmp_path / "gpt2_run.pt"), block_size=16, progress=False))
