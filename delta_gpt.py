@@ -51,6 +51,7 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    flash = True  # SDPA (flash attention) is the fast path; False runs the readable manual path below
 
     def __init__(self, config):
         super().__init__()
@@ -65,8 +66,6 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
-        # flash attention (SDPA) is the fast path; flash = False runs the readable manual path below
-        self.flash = True
 
     def forward(self, x, kv=None):
         B, T, C = x.size() # batch size, sequence length, embedding dimensionality (n_embd)
@@ -124,25 +123,33 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Depth-wise attention over a sublayer's sources: alpha_i = softmax_i(w . RMSNorm_g(s_i)).
+    """Depth-wise attention over a sublayer's sources: alpha_i = softmax_i(w . RMSNorm_g(s_i)),
+    read = sum_i alpha_i * s_i.
 
-    forward(sources, inv_rms) returns read = sum_i alpha_i * s_i and alpha. The fast path (RouteRead) never
-    stacks the sources; the reference path (fast = False) is the formula as written. A test holds them equal.
+    Since w . RMSNorm_g(s) = ((w * g) . s) / rms(s), a source enters the logits only through its score
+    against the folded query w * g. The Stream scores each source once, against all routers' folded
+    queries together, when the source is born (source_scores); the fast path then takes the softmax and
+    the weighted sum (RouteRead). The reference path (fast = False) is the formula as written, from the
+    sources alone. Tests hold the two equal, gradients included.
     """
+
+    fast = True  # False (on the class or one router): the reference path
+    index = 0    # this router's place among the model's routers: its column in the Stream's scores
 
     def __init__(self, n_embd):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(n_embd))  # w, zero-init: uniform weights at init
         self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # its weight is the key gain g
-        self.fast = True
 
-    def forward(self, sources, inv_rms):
-        """sources: n tensors (B, T, D); inv_rms: their 1/rms, n tensors (B, T) in float32.
+    def folded_query(self):
+        return upcast(self.query) * upcast(self.norm.weight)  # w * g, (D,)
+
+    def forward(self, sources, logits):
+        """sources: n tensors (B, T, D); logits: (B, T, n) float32, each source's score for this router.
         Returns read (B, T, D) and alpha (B, T, n) in float32."""
         if not self.fast:
             return self.forward_reference(sources)
-        wg = upcast(self.query) * upcast(self.norm.weight)  # (D,) the gain folded into the query
-        return RouteRead.apply(wg, torch.stack(inv_rms, dim=-1), *sources)
+        return RouteRead.apply(logits, *sources)
 
     def forward_reference(self, sources):
         with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
@@ -154,42 +161,49 @@ class Router(nn.Module):
 
 
 class RouteRead(torch.autograd.Function):
-    """The router's fast path: read = sum_i alpha_i s_i, alpha = softmax_i((wg . s_i) * r_i).
+    """The router's fast path: read = sum_i alpha_i s_i with alpha = softmax_i(logits).
 
-    The RMSNorm gain is folded into the query, wg = w * g, since w . (g * s / rms(s)) = (wg . s) / rms(s),
-    and r_i = 1/rms(s_i) comes from the Stream, computed once per source. Only references to the
-    sources (alive anyway), wg and a few (B, T, n) tensors are saved, so activation memory stays linear
-    in depth; forward and backward loop over the sources in place instead of stacking copies of them.
-    Logits, softmax and the sum run in float32 (float64 for a float64 model) whatever the autocast.
+    Forward and backward loop over the sources in place instead of stacking copies of them, and only
+    references to the sources (alive anyway) and alpha (B, T, n) are saved: activation memory stays
+    linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
     """
 
     @staticmethod
-    def forward(ctx, wg, r, *sources):
-        with torch.autocast(sources[0].device.type, enabled=False):
-            dots = torch.stack([upcast(s) @ wg for s in sources], dim=-1)  # wg . s_i, (B, T, n)
-            alpha = (dots * r).softmax(dim=-1)
-            read = alpha[..., 0, None] * upcast(sources[0])
-            for i in range(1, len(sources)):
-                read.addcmul_(alpha[..., i, None], sources[i])
-        ctx.save_for_backward(wg, r, alpha, dots, *sources)
+    def forward(ctx, logits, *sources):
+        alpha = logits.softmax(dim=-1)
+        read = alpha[..., 0, None] * upcast(sources[0])
+        for i in range(1, len(sources)):
+            read.addcmul_(alpha[..., i, None], sources[i])
+        ctx.save_for_backward(alpha, *sources)
         ctx.mark_non_differentiable(alpha)
         return read.to(sources[0].dtype), alpha
 
     @staticmethod
     def backward(ctx, grad, _):
-        wg, r, alpha, dots, *sources = ctx.saved_tensors
-        with torch.autocast(grad.device.type, enabled=False):
-            g = upcast(grad)
-            g_alpha = torch.stack([torch.linalg.vecdot(upcast(s), g) for s in sources], dim=-1)  # g . s_i
-            g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(-1, keepdim=True))  # softmax backward
-            c = g_logits * r                                                          # dL/d(wg . s_i)
-            g_wg = torch.zeros_like(wg)
-            g_sources = []
-            for i, s in enumerate(sources):
-                g_s = (g * alpha[..., i, None]).addcmul_(c[..., i, None], wg)  # alpha_i g + c_i wg
-                g_sources.append(g_s.to(s.dtype))
-                g_wg.addmv_(upcast(s).reshape(-1, s.size(-1)).t(), c[..., i].reshape(-1))
-        return (g_wg, g_logits * dots, *g_sources)
+        alpha, *sources = ctx.saved_tensors
+        g = upcast(grad)
+        g_alpha = torch.stack([torch.linalg.vecdot(upcast(s), g) for s in sources], dim=-1)  # g . s_i, (B, T, n)
+        g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(-1, keepdim=True))             # softmax backward
+        return (g_logits, *[(alpha[..., i, None] * g).to(s.dtype) for i, s in enumerate(sources)])
+
+
+class Project(torch.autograd.Function):
+    """s @ Q^T in float32, (B, T, D) x (R, D) -> (B, T, R), saving s as it is: a bf16 source is not kept
+    again as a float32 copy (as autograd would keep `s.float() @ Q.T`)."""
+
+    @staticmethod
+    def forward(ctx, s, Q):
+        ctx.save_for_backward(s, Q)
+        with torch.autocast(s.device.type, enabled=False):
+            return upcast(s) @ Q.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        s, Q = ctx.saved_tensors
+        with torch.autocast(s.device.type, enabled=False):
+            g_s = (grad @ Q).to(s.dtype)
+            g_Q = grad.flatten(0, -2).t() @ upcast(s).flatten(0, -2)
+        return g_s, g_Q
 
 
 def upcast(t):
@@ -203,6 +217,12 @@ def inv_rms(s):
     return torch.rsqrt(norm.square() / s.size(-1) + ROUTE_EPS)
 
 
+def source_scores(s, queries):
+    """A source's routing logit for every router at once: ((w*g) . s) / rms(s), (B, T, D) -> (B, T, R),
+    for the folded queries (R, D). One matmul per source instead of a dot product per (source, router)."""
+    return Project.apply(s, queries) * inv_rms(s).unsqueeze(-1)
+
+
 class Stream:
     """The residual stream of one forward pass: what sublayer k reads (u_k) and where its output goes.
 
@@ -213,34 +233,46 @@ class Stream:
     Sources: [e, b_1, ..., b_{m-1}] (completed blocks, each the sum of its sublayers' v) plus the partial
     sum p of the current block when it is routed and non-empty. Per sublayer (N = S) each v is a block.
     route_sources = "cumulative" swaps each source for the stream's value at that boundary.
+    Each source is scored against every router's folded query (R, D) once, when it is born.
     """
 
-    def __init__(self, e, config, record=None):
+    def __init__(self, e, config, queries=None, record=None):
         self.additive = config.residual in ("baseline", "delta", "delta_block")
         self.x = e if self.additive else None                  # the running stream x_{k-1}
         self.block_len = 2 * config.n_layer // (config.n_route_blocks or 1)  # sublayers per block
         self.route_partial = config.route_partial
         self.cumulative = config.route_sources == "cumulative"
-        self.routed = config.residual != "baseline"
-        self.sources = [e]                                     # e, then completed blocks
-        self.inv_rms = [inv_rms(e)] if self.routed else []     # 1/rms of each source, computed once
+        self.queries = queries                                 # (R, D) folded queries; None for baseline
+        self.sources = []                                      # e, then the completed blocks
+        self.scores = None                                     # (B, T, R, n): each source's logit for each router
         self.partial = None                                    # sum of the current block's v's
         self.k = 0                                             # sublayers written so far
         self.record = record                                   # a list to collect (sources, alpha) for stats
+        if queries is not None:
+            self.add_source(e)
 
-    def current_sources(self):
-        sources, scales = list(self.sources), list(self.inv_rms)
+    def add_source(self, s):
+        self.sources.append(s)
+        self.scores = self.with_scores_of(s)
+
+    def with_scores_of(self, s):
+        score = source_scores(s, self.queries).unsqueeze(-1)  # (B, T, R, 1)
+        return score if self.scores is None else torch.cat([self.scores, score], dim=-1)
+
+    def current_sources(self, router):
+        """The sources router reads now, and their logits for it (B, T, n)."""
+        sources, scores = list(self.sources), self.scores
         if self.partial is not None and self.route_partial:
             p = self.sources[-1] + self.partial if self.cumulative else self.partial
             sources.append(p)
-            scales.append(inv_rms(p))
-        return sources, scales
+            scores = self.with_scores_of(p)
+        return sources, scores[..., router.index, :]
 
     def read(self, router):
         if router is None:
             return self.x
-        sources, scales = self.current_sources()
-        r, alpha = router(sources, scales)
+        sources, logits = self.current_sources(router)
+        r, alpha = router(sources, logits)
         if self.record is not None:
             self.record.append((sources, alpha))
         return self.x + r if self.additive else r
@@ -249,13 +281,11 @@ class Stream:
         self.k += 1
         if self.additive:
             self.x = self.x + v
-        if not self.routed:
+        if self.queries is None:
             return
         self.partial = v if self.partial is None else self.partial + v
         if self.k % self.block_len == 0:  # block complete: its sum becomes a source
-            b = self.sources[-1] + self.partial if self.cumulative else self.partial
-            self.sources.append(b)
-            self.inv_rms.append(inv_rms(b))
+            self.add_source(self.sources[-1] + self.partial if self.cumulative else self.partial)
             self.partial = None
 
     def output(self, final_router):
@@ -365,6 +395,9 @@ class GPT(nn.Module):
         ))
         if config.residual == "attnres":  # replacement routing: the output is itself a read of all sources
             self.transformer.final_router = Router(config.n_embd)
+        self.routers = [m for m in self.modules() if isinstance(m, Router)]  # in sublayer order, final last
+        for i, router in enumerate(self.routers):
+            router.index = i
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # with weight tying when using torch.compile() some warnings get generated:
         # "UserWarning: functional_call was passed multiple values for tied weights.
@@ -417,7 +450,8 @@ class GPT(nn.Module):
         # forward the GPT model itself
         tok_emb = self.transformer.wte(idx) # token embeddings of shape (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos) # position embeddings of shape (t, n_embd)
-        stream = Stream(self.transformer.drop(tok_emb + pos_emb), self.config, record)
+        queries = torch.stack([r.folded_query() for r in self.routers]) if self.routers else None  # (R, D)
+        stream = Stream(self.transformer.drop(tok_emb + pos_emb), self.config, queries, record)
         for i, block in enumerate(self.transformer.h):
             block(stream, kv_cache[i] if kv_cache is not None else None)
         return self.transformer.ln_f(stream.output(getattr(self.transformer, "final_router", None)))
@@ -530,7 +564,7 @@ class GPT(nn.Module):
 
     def route_parameters(self):
         """The routing parameters (pseudo-queries and key gains): empty for baseline."""
-        return [p for m in self.modules() if isinstance(m, Router) for p in m.parameters()]
+        return [p for router in self.routers for p in router.parameters()]
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, route_lr_mult=1.0):
         """AdamW with three groups: 2-D weights decay; biases and norms don't; routing parameters have
