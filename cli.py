@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+import typer.core
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
@@ -55,6 +56,15 @@ def train_options_help():
     return ("Training options: any TrainConfig field, as --field VALUE, --field=VALUE or --flag / --no-flag.\n\n"
             "\b\n" + "\n".join(lines) + f"\n\nPresets: {', '.join(train.PRESETS)} (default: cpu without CUDA, "
             "shakespeare_char with it).")
+
+
+class TrainHelp(typer.core.TyperCommand):
+    """A command whose --help lists every TrainConfig field, built only when help is shown (it imports
+    torch, which would slow every other command's start)."""
+
+    def format_epilog(self, ctx, formatter):
+        self.epilog = train_options_help()
+        super().format_epilog(ctx, formatter)
 
 
 def load_model(ckpt_path, device="cpu"):
@@ -109,7 +119,7 @@ def prepare(
     typer.echo(f"prepared {path}")
 
 
-@app.command(context_settings=PASS_THROUGH, epilog=train_options_help())
+@app.command(context_settings=PASS_THROUGH, cls=TrainHelp)
 @friendly
 def train(ctx: typer.Context):
     """Train a model: train --residual MODE [--preset P] [--resume] [--FIELD VALUE ...].
@@ -266,7 +276,7 @@ def bench(
     B.main(["--config", config, "--residual", ",".join(modes), "--iters", str(iters), "--rounds", str(rounds)])
 
 
-@app.command(context_settings=PASS_THROUGH, epilog=train_options_help())
+@app.command(context_settings=PASS_THROUGH, cls=TrainHelp)
 @friendly
 def compare(
     ctx: typer.Context,

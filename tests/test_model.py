@@ -1,6 +1,7 @@
 """The model's math, pinned: zero-init identities, telescoping sources, fast router == reference router,
 simplex weights, causality, KV cache == recompute, state_dict names, config errors, memory linear in depth."""
 import math
+import sys
 from dataclasses import replace
 
 import pytest
@@ -421,6 +422,12 @@ def test_from_hf_state_dict_maps_gpt2_names():
 def test_from_pretrained_refuses_unknown_model():
     with pytest.raises(ValueError, match="unknown GPT-2 model"):
         GPT.from_pretrained("gpt3")
+
+
+def test_from_pretrained_without_transformers_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(ValueError, match="needs the transformers package: pip install transformers"):
+        GPT.from_pretrained("gpt2")
 
 
 def test_configure_optimizers_groups():
