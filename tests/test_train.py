@@ -140,8 +140,8 @@ def test_sigint_writes_a_loadable_checkpoint_and_resumes(tiny_data, tmp_path):
     assert T.load_checkpoint(out / "last.pt")["iter_num"] == ckpt["iter_num"] + 2
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
-    cfg = cfg_for(tiny_data, tmp_path / "run", ckpt_interval=2)
+def poison_training_step(monkeypatch, n, poison):
+    """Make the model's n-th training forward (step index n - 1) return poison(loss)."""
     calls = {"n": 0}
     forward = GPT.forward
 
@@ -149,11 +149,16 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_pat
         logits, loss = forward(self, idx, targets)
         if self.training:
             calls["n"] += 1
-            if calls["n"] == 4:  # the 4th training step (step index 3)
-                loss = loss * float("nan")
+            if calls["n"] == n:
+                loss = poison(loss)
         return logits, loss
 
     monkeypatch.setattr(GPT, "forward", poisoned)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
+    cfg = cfg_for(tiny_data, tmp_path / "run", ckpt_interval=2)
+    poison_training_step(monkeypatch, 4, lambda loss: loss * float("nan"))
     with pytest.raises(T.TrainError, match="loss is nan at step 3"):
         T.train(cfg)
     assert T.load_checkpoint(tmp_path / "run" / "last.pt")["iter_num"] == 2
@@ -336,18 +341,7 @@ def test_resume_after_interrupt_is_bit_exact(tiny_data, tmp_path, monkeypatch):
 
 def test_non_finite_gradient_with_finite_loss_stops_before_applying(tiny_data, tmp_path, monkeypatch):
     cfg = cfg_for(tiny_data, tmp_path / "run", ckpt_interval=2)
-    calls = {"n": 0}
-    forward = GPT.forward
-
-    def poisoned(self, idx, targets=None):
-        logits, loss = forward(self, idx, targets)
-        if self.training:
-            calls["n"] += 1
-            if calls["n"] == 4:  # a finite loss whose gradient is inf
-                loss = _InfGrad.apply(loss)
-        return logits, loss
-
-    monkeypatch.setattr(GPT, "forward", poisoned)
+    poison_training_step(monkeypatch, 4, _InfGrad.apply)  # a finite loss whose gradient is inf
     with pytest.raises(T.TrainError, match="gradient norm is (inf|nan) at step 3"):
         T.train(cfg)
     ckpt = T.load_checkpoint(tmp_path / "run" / "last.pt")
