@@ -28,17 +28,23 @@ def markdown(head, rows):
 
 def routing_table(reports):
     """Per routed sublayer: sources n, uniform weight 1/n, then for each (label, stats): mean max weight,
-    normalised entropy and adjacent-source cosine; then the averages over all and the deeper half."""
+    normalised entropy and adjacent-source cosine; then the averages over all and the deeper half.
+    Runs whose source counts differ (attnres with N blocks against delta, say) get an n column each."""
     labels = [label for label, _ in reports]
-    head = ["sublayer", "n", "1/n"] + [f"{col} {label}" if len(reports) > 1 else col
-                                       for label in labels for col in ("max w", "entropy", "adj cos")]
-    first = reports[0][1]["sublayers"]
+    by_name = [{r["name"]: r for r in stats["sublayers"]} for _, stats in reports]
+    names = list(dict.fromkeys(name for rows in by_name for name in rows))  # in order, attnres's final last
+    shared_n = all({k: r["n"] for k, r in rows.items()} == {k: r["n"] for k, r in by_name[0].items()}
+                   for rows in by_name)
+    cols = ("max w", "entropy", "adj cos") if shared_n else ("n", "max w", "entropy", "adj cos")
+    head = ["sublayer"] + (["n", "1/n"] if shared_n else []) + [
+        f"{col} {label}" if len(reports) > 1 else col for label in labels for col in cols]
     rows = []
-    for i, r in enumerate(first):
-        row = [r["name"], r["n"], fmt(r["uniform"])]
-        for _, stats in reports:
-            s = stats["sublayers"][i] if i < len(stats["sublayers"]) else {}
-            row += [fmt(s.get("max_weight")), fmt(s.get("entropy")), fmt(s.get("adj_cos"))]
+    for name in names:
+        row = [name] + ([by_name[0][name]["n"], fmt(by_name[0][name]["uniform"])] if shared_n else [])
+        for rows_of in by_name:
+            s = rows_of.get(name, {})
+            row += ([s.get("n", "-")] if not shared_n else []) + [
+                fmt(s.get("max_weight")), fmt(s.get("entropy")), fmt(s.get("adj_cos"))]
         rows.append(row)
     summary = markdown(["average"] + labels, [
         ["max weight, all (n > 1)"] + [fmt(s["mean_max_weight"]) for _, s in reports],

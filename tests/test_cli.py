@@ -93,12 +93,18 @@ def test_report_one_and_two_checkpoints(runs, tmp_path):
     assert all(1 / r["n"] - 1e-6 <= r["max_weight"] <= 1 + 1e-6 for r in stats["sublayers"])
     png = matplotlib.image.imread(tmp_path / "one" / "report.png")
     assert png.shape[0] > 200 and png.shape[1] > 200 and png.std() > 0.05
-    ok("convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "attnres", "--out", tmp_path / "a.pt",
-       "--eval-iters", 1)
+    ok("convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "attnres", "--n-route-blocks", 2,
+       "--out", tmp_path / "a.pt", "--eval-iters", 1)
     out = ok("report", "--ckpt", runs / "delta" / "last.pt", "--ckpt", tmp_path / "a.pt", "--batches", 1,
              "--out", tmp_path / "two")
     both = json.loads((tmp_path / "two" / "report.json").read_text())
     assert set(both) == {"delta", "attnres"} and "max w delta" in out and "max w attnres" in out
+    # the runs' source counts differ (attnres with 2 blocks: 1, 2, 2, 3, then 3 for its final router), so each
+    # gets its own n column, and attnres's final router has a row of its own
+    assert "| n delta |" in out and "| n attnres |" in out
+    assert [r["n"] for r in both["attnres"]["sublayers"]] == [1, 2, 2, 3, 3]
+    final = next(line for line in out.splitlines() if line.startswith("| final |"))
+    assert final.split("|")[2].strip() == "-" and final.split("|")[6].strip() == "3"
     assert matplotlib.image.imread(tmp_path / "two" / "report.png").shape[1] > png.shape[1]
 
 
