@@ -136,19 +136,28 @@ def compare_table(rows):
 
 def draw_curves(curves, path):
     """curves: {mode: [[(step, val_loss), ...] per seed]} -> validation loss against step, the mean over
-    seeds bold and each seed faint."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (mode, seeds) in enumerate(curves.items()):
-        color = f"C{i}"
-        for points in seeds:
-            ax.plot(*zip(*points), color=color, alpha=0.25, lw=1)
-        steps = sorted(set.intersection(*[{s for s, _ in pts} for pts in seeds]))
-        mean = [statistics.fmean(dict(pts)[s] for pts in seeds) for s in steps]
-        ax.plot(steps, mean, color=color, lw=2, marker="o", ms=3, label=f"{mode} (mean of {len(seeds)})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    seeds bold and each seed faint; the right panel zooms on the second half of training."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax in axes:
+        for i, (mode, seeds) in enumerate(curves.items()):
+            color = f"C{i}"
+            for points in seeds:
+                ax.plot(*zip(*points), color=color, alpha=0.25, lw=1)
+            steps = sorted(set.intersection(*[{s for s, _ in pts} for pts in seeds]))
+            mean = [statistics.fmean(dict(pts)[s] for pts in seeds) for s in steps]
+            ax.plot(steps, mean, color=color, lw=2, marker="o", ms=3, label=f"{mode} (mean of {len(seeds)})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    last = max(s for seeds in curves.values() for pts in seeds for s, _ in pts)
+    late = [v for seeds in curves.values() for pts in seeds for s, v in pts if s >= last / 2]
+    if last > 0 and late:
+        pad = 0.1 * (max(late) - min(late)) + 1e-3
+        axes[1].set_xlim(last / 2 - 0.02 * last, last * 1.02)
+        axes[1].set_ylim(min(late) - pad, max(late) + pad)
+    axes[0].set_title("all steps")
+    axes[1].set_title("second half, zoomed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
