@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -37,13 +38,17 @@ def friendly(fn):
     missing files) into one line and exit 1; an interrupted training run exits 130."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        import train
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, train.TrainError) as e:
+        except (ValueError, FileNotFoundError) as e:
             fail(str(e))
         except KeyboardInterrupt:
             raise typer.Exit(130)
+        except RuntimeError as e:
+            train = sys.modules.get("train")  # imported lazily: commands without torch start fast
+            if train is None or not isinstance(e, train.TrainError):
+                raise
+            fail(str(e))
     return wrapper
 
 
