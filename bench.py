@@ -8,10 +8,11 @@ backward (activation memory), and parameter count, each with its ratio to baseli
 
 Saved bytes are counted with torch.autograd.graph.saved_tensors_hooks over one forward+backward,
 each storage once (views of one tensor count once) and parameters left out. Timing interleaves the
-modes round by round and takes each mode's median, so drifts of the machine hit all modes alike.
+modes round by round (each round about a second of steps, unless --iters says) and takes each mode's
+fastest round: on a shared machine interference only ever adds time, so the best round is the
+repeatable figure (as timeit does), and interleaving makes every mode see the same machine.
 """
 import argparse
-import statistics
 import time
 from dataclasses import replace
 
@@ -57,8 +58,9 @@ def step(model, idx):
     model.zero_grad(set_to_none=True)
 
 
-def bench(config, batch, modes=RESIDUALS, iters=10, rounds=5, memory_layers=(), seed=0, **route):
-    """Rows of {mode, params, saved, tok_s, ...} for one config, ratios to the first mode (baseline)."""
+def bench(config, batch, modes=RESIDUALS, iters=None, rounds=7, memory_layers=(), seed=0, round_s=1.0, **route):
+    """Rows of {mode, params, saved, tok_s, ...} for one config, ratios to the first mode (baseline).
+    iters: steps per timing round (default: about round_s seconds of the first mode's steps)."""
     torch.manual_seed(seed)
     idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
     models = {m: make(config, m, **route) for m in modes}
@@ -69,6 +71,10 @@ def bench(config, batch, modes=RESIDUALS, iters=10, rounds=5, memory_layers=(), 
             rows[m][f"saved_L{n_layer}"] = saved_bytes(make(replace(config, n_layer=n_layer), m, **route), idx)
     for m in modes:  # warm-up
         step(models[m], idx)
+    if iters is None:
+        t0 = time.perf_counter()
+        step(models[modes[0]], idx)
+        iters = max(1, round(round_s / (time.perf_counter() - t0)))
     for _ in range(rounds):
         for m in modes:
             t0 = time.perf_counter()
@@ -76,7 +82,7 @@ def bench(config, batch, modes=RESIDUALS, iters=10, rounds=5, memory_layers=(), 
                 step(models[m], idx)
             rows[m]["times"].append((time.perf_counter() - t0) / iters)
     for r in rows.values():
-        r["tok_s"] = batch * config.block_size / statistics.median(r.pop("times"))
+        r["tok_s"] = batch * config.block_size / min(r.pop("times"))
     base = rows[modes[0]]
     for r in rows.values():
         for key in [k for k in r if k in ("params", "tok_s") or k.startswith("saved")]:
@@ -104,8 +110,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
     ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes; baseline first")
-    ap.add_argument("--iters", type=int, default=5, help="steps per timing round")
-    ap.add_argument("--rounds", type=int, default=5, help="timing rounds (median taken)")
+    ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth)")
+    ap.add_argument("--rounds", type=int, default=7, help="timing rounds, interleaved over the modes (the fastest is taken)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -117,7 +123,7 @@ def main(argv=None):
         config, batch = CONFIGS[name]
         memory_layers = (2 * config.n_layer,) if name == "d768" else ()
         print(f"\n{name}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, "
-              f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads")
+              f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, best of {args.rounds} rounds")
         rows = bench(config, batch, modes, iters=args.iters, rounds=args.rounds, memory_layers=memory_layers)
         print(table(rows, memory_layers))
 

@@ -264,8 +264,8 @@ def convert(
 def bench(
     residual: str = typer.Option("baseline,attnres,delta,delta_block", "--residual", help="comma-separated modes"),
     config: str = typer.Option("all", "--config", help="cpu (4 layers, 128 wide, ctx 64, batch 12), d768 (12 layers, 768, ctx 128, batch 4), or all"),
-    iters: int = typer.Option(5, "--iters", help="steps per timing round"),
-    rounds: int = typer.Option(5, "--rounds", help="timing rounds; the median is taken"),
+    iters: Optional[int] = typer.Option(None, "--iters", help="steps per timing round [default: about a second's worth]"),
+    rounds: int = typer.Option(7, "--rounds", help="timing rounds, interleaved over the modes; the fastest is taken"),
 ):
     """Tokens/s (forward+backward), saved-activation bytes and parameters per mode, with ratios to baseline."""
     import bench as B
@@ -276,9 +276,10 @@ def bench(
         fail(f"unknown mode {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
     if config not in (*B.CONFIGS, "all"):
         fail(f"unknown --config {config!r}; choose one of {', '.join(B.CONFIGS)} or all")
-    if iters < 1 or rounds < 1:
+    if (iters is not None and iters < 1) or rounds < 1:
         fail("--iters and --rounds must be at least 1")
-    B.main(["--config", config, "--residual", ",".join(modes), "--iters", str(iters), "--rounds", str(rounds)])
+    B.main(["--config", config, "--residual", ",".join(modes), "--rounds", str(rounds)]
+           + (["--iters", str(iters)] if iters is not None else []))
 
 
 @app.command(context_settings=PASS_THROUGH, cls=TrainHelp)

@@ -131,6 +131,9 @@ def test_bench(monkeypatch):
     monkeypatch.setitem(bench.CONFIGS, "cpu", (GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), 2))
     out = ok("bench", "--config", "cpu", "--residual", "baseline,delta", "--iters", 1, "--rounds", 1)
     assert "| baseline |" in out and "| delta |" in out and "tokens/s" in out and "saved MB" in out
+    # rounds sized by time (the default), ratios against baseline
+    rows = bench.bench(*bench.CONFIGS["cpu"], ("baseline", "delta"), rounds=2, round_s=0.05)
+    assert rows[0]["tok_s_x"] == 1.0 and rows[1]["tok_s"] > 0 and rows[1]["saved_x"] > 1.0
 
 
 def test_compare_two_modes(tiny_data, tmp_path):
