@@ -239,7 +239,8 @@ class Stream:
     def __init__(self, e, config, queries=None, record=None):
         self.additive = config.residual in ("baseline", "delta", "delta_block")
         self.x = e if self.additive else None                  # the running stream x_{k-1}
-        self.block_len = 2 * config.n_layer // (config.n_route_blocks or 1)  # sublayers per block
+        self.n_sublayers = 2 * config.n_layer
+        self.block_len = self.n_sublayers // (config.n_route_blocks or 1)  # sublayers per block
         self.route_partial = config.route_partial
         self.cumulative = config.route_sources == "cumulative"
         self.queries = queries                                 # (R, D) folded queries; None for baseline
@@ -284,7 +285,8 @@ class Stream:
         if self.queries is None:
             return
         self.partial = v if self.partial is None else self.partial + v
-        if self.k % self.block_len == 0:  # block complete: its sum becomes a source
+        if self.k % self.block_len == 0 and not (self.additive and self.k == self.n_sublayers):
+            # block complete: its sum becomes a source (the last block's only for attnres's final router)
             self.add_source(self.sources[-1] + self.partial if self.cumulative else self.partial)
             self.partial = None
 
