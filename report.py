@@ -31,18 +31,18 @@ def routing_table(reports):
     normalised entropy and adjacent-source cosine; then the averages over all and the deeper half.
     Runs whose source counts differ (attnres with N blocks against delta, say) get an n column each."""
     labels = [label for label, _ in reports]
-    by_name = [{r["name"]: r for r in stats["sublayers"]} for _, stats in reports]
-    names = list(dict.fromkeys(name for rows in by_name for name in rows))  # in order, attnres's final last
-    shared_n = all({k: r["n"] for k, r in rows.items()} == {k: r["n"] for k, r in by_name[0].items()}
-                   for rows in by_name)
+    by_name = [{r["name"]: r for r in stats["sublayers"]} for _, stats in reports]  # per run: name -> stats
+    names = list(dict.fromkeys(name for run in by_name for name in run))  # in order, attnres's final last
+    counts = [{name: r["n"] for name, r in run.items()} for run in by_name]
+    shared_n = all(c == counts[0] for c in counts)
     cols = ("max w", "entropy", "adj cos") if shared_n else ("n", "max w", "entropy", "adj cos")
     head = ["sublayer"] + (["n", "1/n"] if shared_n else []) + [
         f"{col} {label}" if len(reports) > 1 else col for label in labels for col in cols]
     rows = []
     for name in names:
         row = [name] + ([by_name[0][name]["n"], fmt(by_name[0][name]["uniform"])] if shared_n else [])
-        for rows_of in by_name:
-            s = rows_of.get(name, {})
+        for run in by_name:
+            s = run.get(name, {})
             row += ([s.get("n", "-")] if not shared_n else []) + [
                 fmt(s.get("max_weight")), fmt(s.get("entropy")), fmt(s.get("adj_cos"))]
         rows.append(row)
