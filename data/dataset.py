@@ -78,7 +78,7 @@ class Dataset:
 def _prepare_command(name: str, data_dir: Path) -> str:
     """The command that (re)creates dataset `name`, for error messages."""
     cmd = f"python cli.py prepare {name}" if name in DATASETS and name != "text" else \
-        f"python cli.py prepare text --input PATH --name {name}"
+        f"python cli.py prepare text --input PATH --tokenizer char|gpt2 --name {name}"
     if Path(data_dir).resolve() != DEFAULT_DATA_DIR:
         cmd += f" --data-dir {data_dir}"
     return cmd

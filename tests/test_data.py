@@ -401,7 +401,7 @@ def test_dataset_too_small_for_the_context(small):
 def test_load_missing_dataset(tmp_path):
     raises(lambda: data.load("shakespeare_char", data_dir=tmp_path), "not prepared",
            "python cli.py prepare shakespeare_char --data-dir")
-    raises(lambda: data.load("novels", data_dir=tmp_path), "python cli.py prepare text --input PATH --name novels")
+    raises(lambda: data.load("novels", data_dir=tmp_path), "python cli.py prepare text --input PATH --tokenizer char|gpt2 --name novels")
 
 
 def test_load_bad_meta(small):
