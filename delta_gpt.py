@@ -80,7 +80,7 @@ class CausalSelfAttention(nn.Module):
                 k = torch.cat([kv[0], k], dim=2) # (B, nh, P+T, hs)
                 v = torch.cat([kv[1], v], dim=2)
             kv[:] = [k, v]
-        P = k.size(2) - T  # number of cached positions before the new T
+        P = k.size(2) - T if kv is not None else 0  # cached positions before the new T (a plain int in training)
 
         # causal self-attention; Self-attend: (B, nh, T, hs) x (B, nh, hs, P+T) -> (B, nh, T, P+T)
         if self.flash:
@@ -128,7 +128,7 @@ class Router(nn.Module):
 
     Since w . RMSNorm_g(s) = ((w * g) . s) / rms(s), a source enters the logits only through its score
     against the folded query w * g. The Stream scores each source once, against all routers' folded
-    queries together, when the source is born (source_scores); the fast path then takes the softmax and
+    queries together, when the source is born (Score); the fast path then takes the softmax and
     the weighted sum (RouteRead). The reference path (fast = False) is the formula as written, from the
     sources alone. Tests hold the two equal, gradients included.
     """
@@ -146,10 +146,13 @@ class Router(nn.Module):
 
     def forward(self, sources, logits):
         """sources: n tensors (B, T, D); logits: (B, T, n) float32, each source's score for this router.
-        Returns read (B, T, D) and alpha (B, T, n) in float32."""
+        Returns read (B, T, D), alpha (B, T, n) in float32, and the sources to hand on to the next
+        router (RouteRead hands them on as aliases; the reference path as they are)."""
         if not self.fast:
-            return self.forward_reference(sources)
-        return RouteRead.apply(logits, *sources)
+            return *self.forward_reference(sources), sources
+        hand_on = not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
+        read, alpha, *handed_on = RouteRead.apply(hand_on, logits, *sources)
+        return read, alpha, handed_on or sources
 
     def forward_reference(self, sources):
         with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
@@ -166,61 +169,77 @@ class RouteRead(torch.autograd.Function):
     Forward and backward loop over the sources in place instead of stacking copies of them, and only
     references to the sources (alive anyway) and alpha (B, T, n) are saved: activation memory stays
     linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
+
+    Each source is also handed on, as an alias, to the next router: the gradient that comes back for an
+    alias is the sum of the later routers' alpha_i * g, and this router adds its own share into it in
+    place. So each source's routing gradient is one tensor accumulated along the chain of routers, not a
+    new tensor per (router, source) pair summed by autograd: about half the memory traffic of backward.
+    Under torch.compile (hand_on=False) the aliases are left out and autograd sums as usual.
     """
 
     @staticmethod
-    def forward(ctx, logits, *sources):
+    def forward(ctx, hand_on, logits, *sources):
         alpha = logits.softmax(dim=-1)
-        read = alpha[..., 0, None] * upcast(sources[0])
-        for i in range(1, len(sources)):
-            read.addcmul_(alpha[..., i, None], sources[i])
+        a = alpha.unsqueeze(-1).unbind(-2)  # n views alpha_i, (B, T, 1)
+        read = a[0] * upcast(sources[0])
+        for a_i, s in zip(a[1:], sources[1:]):
+            read.addcmul_(a_i, s)
         ctx.save_for_backward(alpha, *sources)
         ctx.mark_non_differentiable(alpha)
-        return read.to(sources[0].dtype), alpha
+        ctx.set_materialize_grads(False)
+        return (read.to(sources[0].dtype), alpha, *[s.view_as(s) for s in sources if hand_on])
 
     @staticmethod
-    def backward(ctx, grad, _):
+    def backward(ctx, grad, _, *handed_on_grads):
         alpha, *sources = ctx.saved_tensors
+        if grad is None:  # the read itself was not used: only the handed-on gradients pass through
+            return (None, None, *handed_on_grads)
         g = upcast(grad)
-        g_alpha = torch.stack([torch.linalg.vecdot(upcast(s), g) for s in sources], dim=-1)  # g . s_i, (B, T, n)
-        g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(-1, keepdim=True))             # softmax backward
-        return (g_logits, *[(alpha[..., i, None] * g).to(s.dtype) for i, s in enumerate(sources)])
+        g_alpha = alpha.new_empty(alpha.shape[-1:] + alpha.shape[:-1])  # g . s_i, (n, B, T)
+        prod = torch.empty_like(g)                                      # one buffer for the products g * s_i
+        for i, s in enumerate(sources):
+            torch.sum(torch.mul(g, s, out=prod), dim=-1, out=g_alpha[i])
+        g_alpha = g_alpha.movedim(0, -1)                                # (B, T, n)
+        g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(-1, keepdim=True))  # softmax backward
+        g_sources = []
+        for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(-2), sources, handed_on_grads or [None] * len(sources)):
+            g_sources.append((a_i * g).to(s.dtype) if g_later is None else g_later.addcmul_(a_i, g))
+        return (None, g_logits, *g_sources)
 
 
-class Project(torch.autograd.Function):
-    """s @ Q^T in float32, (B, T, D) x (R, D) -> (B, T, R), saving s as it is: a bf16 source is not kept
-    again as a float32 copy (as autograd would keep `s.float() @ Q.T`)."""
+class Score(torch.autograd.Function):
+    """A source's routing logit for every router at once: score = (s @ Q^T) * r with r = 1/rms(s),
+    (B, T, D) x (R, D) -> (B, T, R) in float32, for the folded queries Q. One matmul per source instead
+    of a dot product per (source, router), and one autograd node with the backward written out:
+        dL/ds = (g * r) @ Q - c * s,   c = r^2 * sum_j g_j score_j / D   (from dr/ds = -r^3 s / D)
+        dL/dQ = (g * r)^T s
+    A bf16 source is saved as it is, not again as a float32 copy.
+    """
 
     @staticmethod
     def forward(ctx, s, Q):
-        ctx.save_for_backward(s, Q)
         with torch.autocast(s.device.type, enabled=False):
-            return upcast(s) @ Q.t()
+            norm = torch.linalg.vector_norm(s, dim=-1, dtype=Q.dtype)          # |s|, (B, T)
+            r = norm.square_().div_(s.size(-1)).add_(ROUTE_EPS).rsqrt_()       # 1 / rms(s), (B, T)
+            score = (upcast(s) @ Q.t()).mul_(r.unsqueeze(-1))                  # (B, T, R)
+        ctx.save_for_backward(s, Q, r, score)
+        return score
 
     @staticmethod
-    def backward(ctx, grad):
-        s, Q = ctx.saved_tensors
+    def backward(ctx, g):
+        s, Q, r, score = ctx.saved_tensors
         with torch.autocast(s.device.type, enabled=False):
-            g_s = (grad @ Q).to(s.dtype)
-            g_Q = grad.flatten(0, -2).t() @ upcast(s).flatten(0, -2)
+            gr = g * r.unsqueeze(-1)                                           # (B, T, R)
+            c = torch.linalg.vecdot(gr, score).mul_(r).div_(s.size(-1))        # (B, T)
+            s32 = upcast(s)
+            g_s = (gr @ Q).addcmul_(c.unsqueeze(-1), s32, value=-1).to(s.dtype)
+            g_Q = gr.flatten(0, -2).t() @ s32.flatten(0, -2) if ctx.needs_input_grad[1] else None
         return g_s, g_Q
 
 
 def upcast(t):
     """t in float32 (or float64 if it is): routing logits and softmax never run in bf16/fp16."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def inv_rms(s):
-    """1 / rms(s) over the last dim in float32, (B, T, D) -> (B, T), without a float32 copy of s."""
-    norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))
-    return torch.rsqrt(norm.square() / s.size(-1) + ROUTE_EPS)
-
-
-def source_scores(s, queries):
-    """A source's routing logit for every router at once: ((w*g) . s) / rms(s), (B, T, D) -> (B, T, R),
-    for the folded queries (R, D). One matmul per source instead of a dot product per (source, router)."""
-    return Project.apply(s, queries) * inv_rms(s).unsqueeze(-1)
 
 
 class Stream:
@@ -245,6 +264,7 @@ class Stream:
         self.cumulative = config.route_sources == "cumulative"
         self.queries = queries                                 # (R, D) folded queries; None for baseline
         self.sources = []                                      # e, then the completed blocks
+        self.handed_on = []                                    # the same, as the last router handed them on
         self.scores = None                                     # (B, T, R, n): each source's logit for each router
         self.partial = None                                    # sum of the current block's v's
         self.k = 0                                             # sublayers written so far
@@ -254,15 +274,16 @@ class Stream:
 
     def add_source(self, s):
         self.sources.append(s)
+        self.handed_on.append(s)
         self.scores = self.with_scores_of(s)
 
     def with_scores_of(self, s):
-        score = source_scores(s, self.queries).unsqueeze(-1)  # (B, T, R, 1)
+        score = Score.apply(s, self.queries).unsqueeze(-1)  # (B, T, R, 1)
         return score if self.scores is None else torch.cat([self.scores, score], dim=-1)
 
     def current_sources(self, router):
         """The sources router reads now, and their logits for it (B, T, n)."""
-        sources, scores = list(self.sources), self.scores
+        sources, scores = list(self.handed_on), self.scores
         if self.partial is not None and self.route_partial:
             p = self.sources[-1] + self.partial if self.cumulative else self.partial
             sources.append(p)
@@ -273,7 +294,8 @@ class Stream:
         if router is None:
             return self.x
         sources, logits = self.current_sources(router)
-        r, alpha = router(sources, logits)
+        r, alpha, handed_on = router(sources, logits)
+        self.handed_on = handed_on[:len(self.sources)]  # a partial is read once: not handed on
         if self.record is not None:
             self.record.append((sources, alpha))
         return self.x + r if self.additive else r
