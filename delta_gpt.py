@@ -195,6 +195,9 @@ class RouteRead(torch.autograd.Function):
         if grad is None:  # the read itself was not used: only the handed-on gradients pass through
             return (None, None, *handed_on_grads)
         g = upcast(grad)
+        if len(sources) == 1:  # alpha = 1 whatever the logit: the logit gets no gradient, the source all of g
+            g_later, = handed_on_grads or [None]
+            return (None, None, g.to(sources[0].dtype, copy=True) if g_later is None else g_later.add_(g))
         g_alpha = alpha.new_empty(alpha.shape[-1:] + alpha.shape[:-1])  # g . s_i, (n, B, T)
         prod = torch.empty_like(g)                                      # one buffer for the products g * s_i
         for i, s in enumerate(sources):
@@ -474,7 +477,9 @@ class GPT(nn.Module):
         # forward the GPT model itself
         tok_emb = self.transformer.wte(idx) # token embeddings of shape (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos) # position embeddings of shape (t, n_embd)
-        queries = torch.stack([r.folded_query() for r in self.routers]) if self.routers else None  # (R, D)
+        queries = None  # every router's folded query w * g, (R, D), in one product
+        if self.routers:
+            queries = upcast(torch.stack([r.query for r in self.routers])) * upcast(torch.stack([r.norm.weight for r in self.routers]))
         stream = Stream(self.transformer.drop(tok_emb + pos_emb), self.config, queries, record)
         for i, block in enumerate(self.transformer.h):
             block(stream, kv_cache[i] if kv_cache is not None else None)
