@@ -171,10 +171,11 @@ class RouteRead(torch.autograd.Function):
     linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
 
     Each source is also handed on, as an alias, to the next router: the gradient that comes back for an
-    alias is the sum of the later routers' alpha_i * g, and this router adds its own share into it in
-    place. So each source's routing gradient is one tensor accumulated along the chain of routers, not a
-    new tensor per (router, source) pair summed by autograd: about half the memory traffic of backward.
-    Under torch.compile (hand_on=False) the aliases are left out and autograd sums as usual.
+    alias is the sum of the later routers' alpha_i * g (a tensor only this chain holds), and this router
+    adds its own share into it in place. So each source's routing gradient is one tensor accumulated
+    along the chain of routers: one multiply-add pass per (router, source) pair, where autograd would
+    make a new product tensor and then add it. Under torch.compile (hand_on=False) the aliases are left
+    out and autograd sums as usual.
     """
 
     @staticmethod
@@ -197,7 +198,7 @@ class RouteRead(torch.autograd.Function):
         g = upcast(grad)
         if len(sources) == 1:  # alpha = 1 whatever the logit: the logit gets no gradient, the source all of g
             g_later, = handed_on_grads or [None]
-            return (None, None, g.to(sources[0].dtype, copy=True) if g_later is None else g_later.add_(g))
+            return (None, None, g.to(sources[0].dtype, copy=True) if g_later is None else accumulate(g_later, g))
         g_alpha = alpha.new_empty(alpha.shape[-1:] + alpha.shape[:-1])  # g . s_i, (n, B, T)
         prod = torch.empty_like(g)                                      # one buffer for the products g * s_i
         for i, s in enumerate(sources):
@@ -206,8 +207,17 @@ class RouteRead(torch.autograd.Function):
         g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(-1, keepdim=True))  # softmax backward
         g_sources = []
         for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(-2), sources, handed_on_grads or [None] * len(sources)):
-            g_sources.append((a_i * g).to(s.dtype) if g_later is None else g_later.addcmul_(a_i, g))
+            g_sources.append((a_i * g).to(s.dtype) if g_later is None else accumulate(g_later, g, a_i))
         return (None, g_logits, *g_sources)
+
+
+def accumulate(total, g, weight=None):
+    """total + weight * g (weight None: 1), in place when total is a plain dense tensor: a handed-on
+    gradient always is in the fast path; other uses of an alias may hand back a view or an expansion."""
+    in_place = total.is_contiguous()
+    if weight is None:
+        return total.add_(g) if in_place else total + g
+    return total.addcmul_(weight, g) if in_place else torch.addcmul(total, weight, g)
 
 
 class Score(torch.autograd.Function):

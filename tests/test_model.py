@@ -266,6 +266,25 @@ def test_model_fast_router_equals_reference(residual, kw, mixed):
         torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
 
 
+def test_gradients_through_recorded_sources_match_reference():
+    """Recorded sources are the fast path's handed-on aliases: a loss that also uses them, so that
+    autograd sums into the chain's gradients, still gets the reference path's gradients."""
+    model = model_of(tiny("delta"), queries=1.0).double()
+
+    def grads(fast):
+        for m in model.routers:
+            m.fast = fast
+        model.zero_grad()
+        record = []
+        x = model.hidden(idx_batch(), record=record)
+        (x.square().mean() + sum(s.sum() for sources, _ in record for s in sources)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    fast, ref = grads(True), grads(False)
+    for name in fast:
+        torch.testing.assert_close(fast[name], ref[name], msg=name)
+
+
 def test_logits_and_softmax_in_float32_under_autocast():
     model = model_of(tiny("delta", n_layer=2), queries=1.0)
     record = []
