@@ -144,13 +144,14 @@ class Router(nn.Module):
     def folded_query(self):
         return upcast(self.query) * upcast(self.norm.weight)  # w * g, (D,)
 
-    def forward(self, sources, logits):
+    def forward(self, sources, logits, hand_on=False):
         """sources: n tensors (B, T, D); logits: (B, T, n) float32, each source's score for this router.
         Returns read (B, T, D), alpha (B, T, n) in float32, and the sources to hand on to the next
-        router (RouteRead hands them on as aliases; the reference path as they are)."""
+        router: with hand_on (the Stream's own use), RouteRead's aliases, which only the next router
+        may consume; else the sources as they are."""
         if not self.fast:
             return *self.forward_reference(sources), sources
-        hand_on = not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
+        hand_on = hand_on and not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
         read, alpha, *handed_on = RouteRead.apply(hand_on, logits, *sources)
         return read, alpha, handed_on or sources
 
@@ -170,9 +171,9 @@ class RouteRead(torch.autograd.Function):
     references to the sources (alive anyway) and alpha (B, T, n) are saved: activation memory stays
     linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
 
-    Each source is also handed on, as an alias, to the next router: the gradient that comes back for an
-    alias is the sum of the later routers' alpha_i * g (a tensor only this chain holds), and this router
-    adds its own share into it in place. So each source's routing gradient is one tensor accumulated
+    Each source is also handed on, as an alias, to the next router, its only consumer: the gradient that
+    comes back for an alias is the sum of the later routers' alpha_i * g (a tensor only this chain
+    holds), and this router adds its own share into it in place. So each source's routing gradient is one tensor accumulated
     along the chain of routers: one multiply-add pass per (router, source) pair, where autograd would
     make a new product tensor and then add it. Under torch.compile (hand_on=False) the aliases are left
     out and autograd sums as usual.
@@ -191,10 +192,11 @@ class RouteRead(torch.autograd.Function):
         return (read.to(sources[0].dtype), alpha, *[s.view_as(s) for s in sources if hand_on])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _, *handed_on_grads):
         alpha, *sources = ctx.saved_tensors
         if grad is None:  # the read itself was not used: only the handed-on gradients pass through
-            return (None, None, *handed_on_grads)
+            return (None, None, *(handed_on_grads or [None] * len(sources)))
         g = upcast(grad)
         if len(sources) == 1:  # alpha = 1 whatever the logit: the logit gets no gradient, the source all of g
             g_later, = handed_on_grads or [None]
@@ -212,12 +214,11 @@ class RouteRead(torch.autograd.Function):
 
 
 def accumulate(total, g, weight=None):
-    """total + weight * g (weight None: 1), in place when total is a plain dense tensor: a handed-on
-    gradient always is in the fast path; other uses of an alias may hand back a view or an expansion."""
-    in_place = total.is_contiguous()
-    if weight is None:
-        return total.add_(g) if in_place else total + g
-    return total.addcmul_(weight, g) if in_place else torch.addcmul(total, weight, g)
+    """total + weight * g (weight None: 1), in place when total is dense, as the next fast router's
+    gradient always is; a reference router in between hands back a view of its stacked gradient."""
+    if not total.is_contiguous():
+        return (total + g if weight is None else torch.addcmul(total, weight, g)).to(total.dtype)
+    return total.add_(g) if weight is None else total.addcmul_(weight, g)
 
 
 class Score(torch.autograd.Function):
@@ -232,20 +233,21 @@ class Score(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s, Q):
         with torch.autocast(s.device.type, enabled=False):
-            norm = torch.linalg.vector_norm(s, dim=-1, dtype=Q.dtype)          # |s|, (B, T)
+            norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, Q.dtype))  # |s|, (B, T)
             r = norm.square_().div_(s.size(-1)).add_(ROUTE_EPS).rsqrt_()       # 1 / rms(s), (B, T)
             score = (upcast(s) @ Q.t()).mul_(r.unsqueeze(-1))                  # (B, T, R)
         ctx.save_for_backward(s, Q, r, score)
         return score
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         s, Q, r, score = ctx.saved_tensors
         with torch.autocast(s.device.type, enabled=False):
             gr = g * r.unsqueeze(-1)                                           # (B, T, R)
             c = torch.linalg.vecdot(gr, score).mul_(r).div_(s.size(-1))        # (B, T)
             s32 = upcast(s)
-            g_s = (gr @ Q).addcmul_(c.unsqueeze(-1), s32, value=-1).to(s.dtype)
+            g_s = (gr @ Q).addcmul_(c.unsqueeze(-1), s32, value=-1).to(s.dtype) if ctx.needs_input_grad[0] else None
             g_Q = gr.flatten(0, -2).t() @ s32.flatten(0, -2) if ctx.needs_input_grad[1] else None
         return g_s, g_Q
 
@@ -307,10 +309,10 @@ class Stream:
         if router is None:
             return self.x
         sources, logits = self.current_sources(router)
-        r, alpha, handed_on = router(sources, logits)
+        r, alpha, handed_on = router(sources, logits, hand_on=True)
         self.handed_on = handed_on[:len(self.sources)]  # a partial is read once: not handed on
-        if self.record is not None:
-            self.record.append((sources, alpha))
+        if self.record is not None:  # the sources themselves: the aliases stay inside the router chain
+            self.record.append((self.sources + sources[len(self.sources):], alpha))
         return self.x + r if self.additive else r
 
     def write(self, v):
