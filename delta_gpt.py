@@ -173,10 +173,10 @@ class RouteRead(torch.autograd.Function):
 
     Each source is also handed on, as an alias, to the next router, its only consumer: the gradient that
     comes back for an alias is the sum of the later routers' alpha_i * g (a tensor only this chain
-    holds), and this router adds its own share into it in place. So each source's routing gradient is one tensor accumulated
-    along the chain of routers: one multiply-add pass per (router, source) pair, where autograd would
-    make a new product tensor and then add it. Under torch.compile (hand_on=False) the aliases are left
-    out and autograd sums as usual.
+    holds), and this router adds its own share into it in place. So each source's routing gradient is
+    one tensor accumulated along the chain of routers: one multiply-add pass per (router, source) pair,
+    where autograd would make a new product tensor and then add it. Under torch.compile
+    (hand_on=False) the aliases are left out and autograd sums as usual.
     """
 
     @staticmethod
@@ -489,9 +489,7 @@ class GPT(nn.Module):
         # forward the GPT model itself
         tok_emb = self.transformer.wte(idx) # token embeddings of shape (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos) # position embeddings of shape (t, n_embd)
-        queries = None  # every router's folded query w * g, (R, D), in one product
-        if self.routers:
-            queries = upcast(torch.stack([r.query for r in self.routers])) * upcast(torch.stack([r.norm.weight for r in self.routers]))
+        queries = torch.stack([r.folded_query() for r in self.routers]) if self.routers else None  # (R, D)
         stream = Stream(self.transformer.drop(tok_emb + pos_emb), self.config, queries, record)
         for i, block in enumerate(self.transformer.h):
             block(stream, kv_cache[i] if kv_cache is not None else None)
