@@ -195,12 +195,12 @@ class RouteRead(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _, *handed_on_grads):
         alpha, *sources = ctx.saved_tensors
+        later = handed_on_grads or [None] * len(sources)  # the later routers' gradients (none without hand_on)
         if grad is None:  # the read itself was not used: only the handed-on gradients pass through
-            return (None, None, *(handed_on_grads or [None] * len(sources)))
+            return (None, None, *later)
         g = upcast(grad)
         if len(sources) == 1:  # alpha = 1 whatever the logit: the logit gets no gradient, the source all of g
-            g_later, = handed_on_grads or [None]
-            return (None, None, g.to(sources[0].dtype, copy=True) if g_later is None else accumulate(g_later, g))
+            return (None, None, g.to(sources[0].dtype, copy=True) if later[0] is None else accumulate(later[0], g))
         g_alpha = alpha.new_empty(alpha.shape[-1:] + alpha.shape[:-1])  # g . s_i, (n, B, T)
         prod = torch.empty_like(g)                                      # one buffer for the products g * s_i
         for i, s in enumerate(sources):
@@ -208,7 +208,7 @@ class RouteRead(torch.autograd.Function):
         g_alpha = g_alpha.movedim(0, -1)                                # (B, T, n)
         g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(-1, keepdim=True))  # softmax backward
         g_sources = []
-        for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(-2), sources, handed_on_grads or [None] * len(sources)):
+        for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(-2), sources, later):
             g_sources.append((a_i * g).to(s.dtype) if g_later is None else accumulate(g_later, g, a_i))
         return (None, g_logits, *g_sources)
 

@@ -267,8 +267,8 @@ def test_model_fast_router_equals_reference(residual, kw, mixed):
 
 
 def test_gradients_through_recorded_sources_match_reference():
-    """Recorded sources are the fast path's handed-on aliases: a loss that also uses them, so that
-    autograd sums into the chain's gradients, still gets the reference path's gradients."""
+    """Recorded sources are the sources themselves, not the fast path's handed-on aliases: a loss that
+    also uses them, so that autograd sums into the sources' gradients, gets the reference path's."""
     model = model_of(tiny("delta"), queries=1.0).double()
 
     def grads(fast):
