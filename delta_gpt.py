@@ -23,6 +23,7 @@ References:
 3) Delta Attention Residuals: arXiv 2605.18855
 """
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass, fields
@@ -144,16 +145,20 @@ class Router(nn.Module):
     def folded_query(self):
         return upcast(self.query) * upcast(self.norm.weight)  # w * g, (D,)
 
-    def forward(self, sources, logits, hand_on=False):
-        """sources: n tensors (B, T, D); logits: (B, T, n) float32, each source's score for this router.
-        Returns read (B, T, D), alpha (B, T, n) in float32, and the sources to hand on to the next
-        router: with hand_on (the Stream's own use), RouteRead's aliases, which only the next router
-        may consume; else the sources as they are."""
+    def forward(self, sources, logits, base=None, hand_on=False):
+        """sources: n tensors (B, T, D); logits: (n, B, T) float32, each source's score for this router;
+        base: None, or x (B, T, D) to add the read to (additive routing). Returns base + read (B, T, D),
+        alpha (B, T, n) in float32, and the sources to hand on to the next router: with hand_on (the
+        Stream's own use), RouteRead's aliases, which only the next router may consume; else the sources
+        as they are."""
         if not self.fast:
-            return *self.forward_reference(sources), sources
-        hand_on = hand_on and not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
-        read, alpha, *handed_on = RouteRead.apply(hand_on, logits, *sources)
-        return read, alpha, handed_on or sources
+            read, alpha = self.forward_reference(sources)
+            return read if base is None else base + read, alpha, sources
+        if torch.compiler.is_compiling():  # Dynamo traces neither the aliases nor a tensor passed twice (x = e at first)
+            read, alpha = RouteRead.apply(False, None, logits, *sources)
+            return read if base is None else base + read, alpha.movedim(0, -1), sources
+        read, alpha, *handed_on = RouteRead.apply(hand_on, base, logits, *sources)
+        return read, alpha.movedim(0, -1), handed_on or sources
 
     def forward_reference(self, sources):
         with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
@@ -165,10 +170,10 @@ class Router(nn.Module):
 
 
 class RouteRead(torch.autograd.Function):
-    """The router's fast path: read = sum_i alpha_i s_i with alpha = softmax_i(logits).
+    """The router's fast path: base + sum_i alpha_i s_i with alpha = softmax_i(logits), logits (n, B, T).
 
     Forward and backward loop over the sources in place instead of stacking copies of them, and only
-    references to the sources (alive anyway) and alpha (B, T, n) are saved: activation memory stays
+    references to the sources (alive anyway) and alpha (n, B, T) are saved: activation memory stays
     linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
 
     Each source is also handed on, as an alias, to the next router, its only consumer: the gradient that
@@ -180,16 +185,18 @@ class RouteRead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hand_on, logits, *sources):
-        alpha = logits.softmax(dim=-1)
-        a = alpha.unsqueeze(-1).unbind(-2)  # n views alpha_i, (B, T, 1)
-        read = a[0] * upcast(sources[0])
+    def forward(ctx, hand_on, base, logits, *sources):
+        alpha = logits.softmax(dim=0)       # (n, B, T); over a leading dim: PyTorch's faster kernel for small n
+        a = alpha.unsqueeze(-1)             # (n, B, T, 1)
+        s0 = upcast(sources[0])
+        read = a[0] * s0 if base is None else torch.addcmul(upcast(base), a[0], s0)
         for a_i, s in zip(a[1:], sources[1:]):
             read.addcmul_(a_i, s)
         ctx.save_for_backward(alpha, *sources)
         ctx.mark_non_differentiable(alpha)
         ctx.set_materialize_grads(False)
-        return (read.to(sources[0].dtype), alpha, *[s.view_as(s) for s in sources if hand_on])
+        dtype = sources[0].dtype if base is None else torch.promote_types(base.dtype, sources[0].dtype)
+        return (read.to(dtype), alpha, *[s.view_as(s) for s in sources if hand_on])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -197,20 +204,20 @@ class RouteRead(torch.autograd.Function):
         alpha, *sources = ctx.saved_tensors
         later = handed_on_grads or [None] * len(sources)  # the later routers' gradients (none without hand_on)
         if grad is None:  # the read itself was not used: only the handed-on gradients pass through
-            return (None, None, *later)
+            return (None, None, None, *later)
+        g_base = grad if ctx.needs_input_grad[1] else None
         g = upcast(grad)
         if len(sources) == 1:  # alpha = 1 whatever the logit: the logit gets no gradient, the source all of g
-            return (None, None, g.to(sources[0].dtype, copy=True) if later[0] is None else accumulate(later[0], g))
-        g_alpha = alpha.new_empty(alpha.shape[-1:] + alpha.shape[:-1])  # g . s_i, (n, B, T)
-        prod = torch.empty_like(g)                                      # one buffer for the products g * s_i
+            return (None, g_base, None, g.to(sources[0].dtype, copy=True) if later[0] is None else accumulate(later[0], g))
+        g_alpha = torch.empty_like(alpha)   # g . s_i, (n, B, T)
+        prod = torch.empty_like(g)          # one buffer for the products g * s_i
         for i, s in enumerate(sources):
             torch.sum(torch.mul(g, s, out=prod), dim=-1, out=g_alpha[i])
-        g_alpha = g_alpha.movedim(0, -1)                                # (B, T, n)
-        g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(-1, keepdim=True))  # softmax backward
+        g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(0))  # softmax backward
         g_sources = []
-        for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(-2), sources, later):
+        for a_i, s, g_later in zip(alpha.unsqueeze(-1), sources, later):
             g_sources.append((a_i * g).to(s.dtype) if g_later is None else accumulate(g_later, g, a_i))
-        return (None, g_logits, *g_sources)
+        return (None, g_base, g_logits, *g_sources)
 
 
 def accumulate(total, g, weight=None):
@@ -222,20 +229,20 @@ def accumulate(total, g, weight=None):
 
 
 class Score(torch.autograd.Function):
-    """A source's routing logit for every router at once: score = (s @ Q^T) * r with r = 1/rms(s),
-    (B, T, D) x (R, D) -> (B, T, R) in float32, for the folded queries Q. One matmul per source instead
+    """A source's routing logit for every router at once: score = (Q @ s^T) * r with r = 1/rms(s),
+    (R, D) x (B, T, D) -> (R, B, T) in float32, for the folded queries Q. One matmul per source instead
     of a dot product per (source, router), and one autograd node with the backward written out:
-        dL/ds = (g * r) @ Q - c * s,   c = r^2 * sum_j g_j score_j / D   (from dr/ds = -r^3 s / D)
-        dL/dQ = (g * r)^T s
+        dL/ds = (g * r)^T @ Q - c * s,   c = r^2 * sum_j g_j score_j / D   (from dr/ds = -r^3 s / D)
+        dL/dQ = (g * r) @ s
     A bf16 source is saved as it is, not again as a float32 copy.
     """
 
     @staticmethod
     def forward(ctx, s, Q):
-        with torch.autocast(s.device.type, enabled=False):
+        with float32_only(s):
             norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, Q.dtype))  # |s|, (B, T)
             r = norm.square_().div_(s.size(-1)).add_(ROUTE_EPS).rsqrt_()       # 1 / rms(s), (B, T)
-            score = (upcast(s) @ Q.t()).mul_(r.unsqueeze(-1))                  # (B, T, R)
+            score = (Q @ upcast(s).view(-1, s.size(-1)).t()).view(-1, *r.shape).mul_(r)  # (R, B*T) -> (R, B, T)
         ctx.save_for_backward(s, Q, r, score)
         return score
 
@@ -243,18 +250,26 @@ class Score(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         s, Q, r, score = ctx.saved_tensors
-        with torch.autocast(s.device.type, enabled=False):
-            gr = g * r.unsqueeze(-1)                                           # (B, T, R)
-            c = torch.linalg.vecdot(gr, score).mul_(r).div_(s.size(-1))        # (B, T)
+        with float32_only(s):
+            gr = g * r                                                         # (R, B, T)
+            c = (gr * score).sum(0).mul_(r).div_(s.size(-1))                   # (B, T)
             s32 = upcast(s)
-            g_s = (gr @ Q).addcmul_(c.unsqueeze(-1), s32, value=-1).to(s.dtype) if ctx.needs_input_grad[0] else None
-            g_Q = gr.flatten(0, -2).t() @ s32.flatten(0, -2) if ctx.needs_input_grad[1] else None
+            gr = gr.view(gr.size(0), -1)                                       # (R, B*T)
+            g_s = (gr.t() @ Q).view(s.shape).addcmul_(c.unsqueeze(-1), s32, value=-1).to(s.dtype) if ctx.needs_input_grad[0] else None
+            g_Q = gr @ s32.view(-1, s.size(-1)) if ctx.needs_input_grad[1] else None
         return g_s, g_Q
+
+
+def float32_only(t):
+    """Autocast off (for the routing math in float32) when it is on; else nothing, which is cheaper."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def upcast(t):
     """t in float32 (or float64 if it is): routing logits and softmax never run in bf16/fp16."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 class Stream:
@@ -280,7 +295,7 @@ class Stream:
         self.queries = queries                                 # (R, D) folded queries; None for baseline
         self.sources = []                                      # e, then the completed blocks
         self.handed_on = []                                    # the same, as the last router handed them on
-        self.scores = None                                     # (B, T, R, n): each source's logit for each router
+        self.scores = None                                     # (R, n, B, T): each source's logit for each router
         self.partial = None                                    # sum of the current block's v's
         self.k = 0                                             # sublayers written so far
         self.record = record                                   # a list to collect (sources, alpha) for stats
@@ -293,27 +308,27 @@ class Stream:
         self.scores = self.with_scores_of(s)
 
     def with_scores_of(self, s):
-        score = Score.apply(s, self.queries).unsqueeze(-1)  # (B, T, R, 1)
-        return score if self.scores is None else torch.cat([self.scores, score], dim=-1)
+        score = Score.apply(s, self.queries).unsqueeze(1)  # (R, 1, B, T)
+        return score if self.scores is None else torch.cat([self.scores, score], dim=1)
 
     def current_sources(self, router):
-        """The sources router reads now, and their logits for it (B, T, n)."""
+        """The sources router reads now, and their logits for it (n, B, T)."""
         sources, scores = list(self.handed_on), self.scores
         if self.partial is not None and self.route_partial:
             p = self.sources[-1] + self.partial if self.cumulative else self.partial
             sources.append(p)
             scores = self.with_scores_of(p)
-        return sources, scores[..., router.index, :]
+        return sources, scores[router.index]
 
     def read(self, router):
         if router is None:
             return self.x
         sources, logits = self.current_sources(router)
-        r, alpha, handed_on = router(sources, logits, hand_on=True)
+        u, alpha, handed_on = router(sources, logits, base=self.x if self.additive else None, hand_on=True)
         self.handed_on = handed_on[:len(self.sources)]  # a partial is read once: not handed on
         if self.record is not None:  # the sources themselves: the aliases stay inside the router chain
             self.record.append((self.sources + sources[len(self.sources):], alpha))
-        return self.x + r if self.additive else r
+        return u
 
     def write(self, v):
         self.k += 1
@@ -489,7 +504,9 @@ class GPT(nn.Module):
         # forward the GPT model itself
         tok_emb = self.transformer.wte(idx) # token embeddings of shape (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos) # position embeddings of shape (t, n_embd)
-        queries = torch.stack([r.folded_query() for r in self.routers]) if self.routers else None  # (R, D)
+        queries = None
+        if self.routers:  # every router's folded query w * g, (R, D): one product for all of them
+            queries = upcast(torch.stack([r.query for r in self.routers])) * upcast(torch.stack([r.norm.weight for r in self.routers]))
         stream = Stream(self.transformer.drop(tok_emb + pos_emb), self.config, queries, record)
         for i, block in enumerate(self.transformer.h):
             block(stream, kv_cache[i] if kv_cache is not None else None)

@@ -204,7 +204,7 @@ def router_inputs(n=3, B=2, T=3, D=8, dtype=torch.float64):
 
 def fast_logits(router, sources):
     """The logits the Stream hands a router: each source's score against its folded query."""
-    return torch.stack([Score.apply(s, router.folded_query()[None])[..., 0] for s in sources], dim=-1)
+    return torch.stack([Score.apply(s, router.folded_query()[None])[0] for s in sources])  # (n, B, T)
 
 
 def test_router_gradcheck_fast_path():
