@@ -154,6 +154,9 @@ class Router(nn.Module):
         if not self.fast:
             read, alpha = self.forward_reference(sources)
             return read if base is None else base + read, alpha, sources
+        if len(sources) == 1:  # alpha = 1 whatever the logit: the read is the source itself
+            alpha = torch.ones_like(logits).movedim(0, -1)
+            return sources[0] if base is None else base + sources[0], alpha, sources
         if torch.compiler.is_compiling():  # Dynamo traces neither the aliases nor a tensor passed twice (x = e at first)
             read, alpha = RouteRead.apply(False, None, logits, *sources)
             return read if base is None else base + read, alpha.movedim(0, -1), sources
@@ -186,8 +189,8 @@ class RouteRead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hand_on, base, logits, *sources):
-        alpha = logits.softmax(dim=0)       # (n, B, T); over a leading dim: PyTorch's faster kernel for small n
-        a = alpha.unsqueeze(-1)             # (n, B, T, 1)
+        alpha = logits.softmax(dim=0)             # (n, B, T); over a leading dim: PyTorch's faster kernel for small n
+        a = alpha.unsqueeze(-1).unbind(0)         # n views alpha_i, (B, T, 1)
         s0 = upcast(sources[0])
         read = a[0] * s0 if base is None else torch.addcmul(upcast(base), a[0], s0)
         for a_i, s in zip(a[1:], sources[1:]):
@@ -196,7 +199,8 @@ class RouteRead(torch.autograd.Function):
         ctx.mark_non_differentiable(alpha)
         ctx.set_materialize_grads(False)
         dtype = sources[0].dtype if base is None else torch.promote_types(base.dtype, sources[0].dtype)
-        return (read.to(dtype), alpha, *[s.view_as(s) for s in sources if hand_on])
+        # a source returned as it is comes out as an alias of it (autograd makes the view)
+        return (read if read.dtype == dtype else read.to(dtype), alpha, *(sources if hand_on else ()))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -207,25 +211,23 @@ class RouteRead(torch.autograd.Function):
             return (None, None, None, *later)
         g_base = grad if ctx.needs_input_grad[1] else None
         g = upcast(grad)
-        if len(sources) == 1:  # alpha = 1 whatever the logit: the logit gets no gradient, the source all of g
-            return (None, g_base, None, g.to(sources[0].dtype, copy=True) if later[0] is None else accumulate(later[0], g))
-        g_alpha = torch.empty_like(alpha)   # g . s_i, (n, B, T)
-        prod = torch.empty_like(g)          # one buffer for the products g * s_i
-        for i, s in enumerate(sources):
-            torch.sum(torch.mul(g, s, out=prod), dim=-1, out=g_alpha[i])
+        g_alpha = torch.empty_like(alpha)         # g . s_i, (n, B, T)
+        prod = torch.empty_like(g)                # one buffer for the products g * s_i
+        for g_alpha_i, s in zip(g_alpha.unbind(0), sources):
+            torch.sum(torch.mul(g, s, out=prod), dim=-1, out=g_alpha_i)
         g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(0))  # softmax backward
         g_sources = []
-        for a_i, s, g_later in zip(alpha.unsqueeze(-1), sources, later):
-            g_sources.append((a_i * g).to(s.dtype) if g_later is None else accumulate(g_later, g, a_i))
+        for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(0), sources, later):
+            g_sources.append((a_i * g).to(s.dtype) if g_later is None else accumulate(g_later, a_i, g))
         return (None, g_base, g_logits, *g_sources)
 
 
-def accumulate(total, g, weight=None):
-    """total + weight * g (weight None: 1), in place when total is dense, as the next fast router's
-    gradient always is; a reference router in between hands back a view of its stacked gradient."""
+def accumulate(total, weight, g):
+    """total + weight * g, in place when total is dense, as the next fast router's gradient always is;
+    a reference router in between hands back a view of its stacked gradient."""
     if not total.is_contiguous():
-        return (total + g if weight is None else torch.addcmul(total, weight, g)).to(total.dtype)
-    return total.add_(g) if weight is None else total.addcmul_(weight, g)
+        return torch.addcmul(total, weight, g).to(total.dtype)
+    return total.addcmul_(weight, g)
 
 
 class Score(torch.autograd.Function):
