@@ -336,11 +336,12 @@ class Stream:
         self.k += 1
         if self.additive:
             self.x = self.x + v
+            if self.k == self.n_sublayers:  # x_S is complete: no router reads the last block
+                return
         if self.queries is None:
             return
         self.partial = v if self.partial is None else self.partial + v
-        if self.k % self.block_len == 0 and not (self.additive and self.k == self.n_sublayers):
-            # block complete: its sum becomes a source (the last block's only for attnres's final router)
+        if self.k % self.block_len == 0:  # block complete: its sum becomes a source (the last for attnres's final router)
             self.add_source(self.sources[-1] + self.partial if self.cumulative else self.partial)
             self.partial = None
 
