@@ -58,7 +58,7 @@ def step(model, idx):
     model.zero_grad(set_to_none=True)
 
 
-def bench(config, batch, modes=RESIDUALS, iters=None, rounds=7, memory_layers=(), seed=0, round_s=1.0, **route):
+def bench(config, batch, modes=RESIDUALS, iters=None, rounds=15, memory_layers=(), seed=0, round_s=1.0, **route):
     """Rows of {mode, params, saved, tok_s, ...} for one config, ratios to the first mode (baseline).
     iters: steps per timing round (default: about round_s seconds of the first mode's steps)."""
     torch.manual_seed(seed)
@@ -111,7 +111,7 @@ def main(argv=None):
     ap.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
     ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes; baseline first")
     ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth)")
-    ap.add_argument("--rounds", type=int, default=7, help="timing rounds, interleaved over the modes (the fastest is taken)")
+    ap.add_argument("--rounds", type=int, default=15, help="timing rounds, interleaved over the modes (the fastest is taken)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.threads:

@@ -265,7 +265,7 @@ def bench(
     residual: str = typer.Option("baseline,attnres,delta,delta_block", "--residual", help="comma-separated modes"),
     config: str = typer.Option("all", "--config", help="cpu (4 layers, 128 wide, ctx 64, batch 12), d768 (12 layers, 768, ctx 128, batch 4), or all"),
     iters: Optional[int] = typer.Option(None, "--iters", help="steps per timing round [default: about a second's worth]"),
-    rounds: int = typer.Option(7, "--rounds", help="timing rounds, interleaved over the modes; the fastest is taken"),
+    rounds: int = typer.Option(15, "--rounds", help="timing rounds, interleaved over the modes; the fastest is taken"),
 ):
     """Tokens/s (forward+backward), saved-activation bytes and parameters per mode, with ratios to baseline."""
     import bench as B

@@ -157,9 +157,7 @@ class Router(nn.Module):
         if len(sources) == 1:  # alpha = 1 whatever the logit: the read is the source itself
             alpha = torch.ones_like(logits).movedim(0, -1)
             return sources[0] if base is None else base + sources[0], alpha, sources
-        if torch.compiler.is_compiling():  # Dynamo traces neither the aliases nor a tensor passed twice (x = e at first)
-            read, alpha = RouteRead.apply(False, None, logits, *sources)
-            return read if base is None else base + read, alpha.movedim(0, -1), sources
+        hand_on = hand_on and not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
         read, alpha, *handed_on = RouteRead.apply(hand_on, base, logits, *sources)
         return read, alpha.movedim(0, -1), handed_on or sources
 
