@@ -135,7 +135,7 @@ class Router(nn.Module):
     """
 
     fast = True  # False (on the class or one router): the reference path
-    index = 0    # this router's place among the model's routers: its column in the Stream's scores
+    index = 0    # this router's place among the model's routers: its row in the Stream's scores
 
     def __init__(self, n_embd):
         super().__init__()
