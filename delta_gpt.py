@@ -142,9 +142,6 @@ class Router(nn.Module):
         self.query = nn.Parameter(torch.zeros(n_embd))  # w, zero-init: uniform weights at init
         self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # its weight is the key gain g
 
-    def folded_query(self):
-        return upcast(self.query) * upcast(self.norm.weight)  # w * g, (D,)
-
     def forward(self, sources, logits, base=None, hand_on=False):
         """sources: n tensors (B, T, D); logits: (n, B, T) float32, each source's score for this router;
         base: None, or x (B, T, D) to add the read to (additive routing). Returns base + read (B, T, D),
@@ -265,6 +262,11 @@ def float32_only(t):
     if torch.is_autocast_enabled(t.device.type):
         return torch.autocast(t.device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def folded_queries(routers):
+    """Every router's folded query w * g, (R, D) in float32: one product for all of them."""
+    return upcast(torch.stack([r.query for r in routers])) * upcast(torch.stack([r.norm.weight for r in routers]))
 
 
 def upcast(t):
@@ -505,9 +507,7 @@ class GPT(nn.Module):
         # forward the GPT model itself
         tok_emb = self.transformer.wte(idx) # token embeddings of shape (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos) # position embeddings of shape (t, n_embd)
-        queries = None
-        if self.routers:  # every router's folded query w * g, (R, D): one product for all of them
-            queries = upcast(torch.stack([r.query for r in self.routers])) * upcast(torch.stack([r.norm.weight for r in self.routers]))
+        queries = folded_queries(self.routers) if self.routers else None
         stream = Stream(self.transformer.drop(tok_emb + pos_emb), self.config, queries, record)
         for i, block in enumerate(self.transformer.h):
             block(stream, kv_cache[i] if kv_cache is not None else None)

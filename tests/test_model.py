@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from bench import saved_bytes
-from delta_gpt import GPT, GPTConfig, RESIDUALS, LayerNorm, Router, is_routing_key, Score
+from delta_gpt import GPT, GPTConfig, RESIDUALS, LayerNorm, Router, is_routing_key, Score, folded_queries
 
 VOCAB = 61
 ROUTED = [m for m in RESIDUALS if m != "baseline"]
@@ -204,7 +204,7 @@ def router_inputs(n=3, B=2, T=3, D=8, dtype=torch.float64):
 
 def fast_logits(router, sources):
     """The logits the Stream hands a router: each source's score against its folded query."""
-    return torch.stack([Score.apply(s, router.folded_query()[None])[0] for s in sources])  # (n, B, T)
+    return torch.stack([Score.apply(s, folded_queries([router]))[0] for s in sources])  # (n, B, T)
 
 
 def test_router_gradcheck_fast_path():
@@ -222,13 +222,16 @@ def test_router_gradcheck_fast_path():
     assert torch.autograd.gradcheck(fn, (query, gain, *sources))
 
 
+@pytest.mark.parametrize("additive", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 5])
-def test_router_fast_equals_reference(n):
+def test_router_fast_equals_reference(n, additive):
+    """additive: the read is added onto a base x (inside RouteRead on the fast path)."""
     router, sources = router_inputs(n=n, D=16)
-    wrt = [router.query, router.norm.weight, *sources]
+    base = torch.randn_like(sources[0]).requires_grad_() if additive else None
+    wrt = [router.query, router.norm.weight, *sources] + ([base] if additive else [])
 
     def run():
-        read, alpha, _ = router(sources, fast_logits(router, sources))
+        read, alpha, _ = router(sources, fast_logits(router, sources), base=base)
         return read, alpha, torch.autograd.grad((read * torch.cos(read)).sum(), wrt, materialize_grads=True)  # n = 1: no logit gradient
 
     read, alpha, grads = run()
