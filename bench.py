@@ -10,7 +10,9 @@ Saved bytes are counted with torch.autograd.graph.saved_tensors_hooks over one f
 each storage once (views of one tensor count once) and parameters left out. Timing interleaves the
 modes round by round (each round about a second of steps, unless --iters says) and takes each mode's
 fastest round: on a shared machine interference only ever adds time, so the best round is the
-repeatable figure (as timeit does), and interleaving makes every mode see the same machine.
+repeatable figure (as timeit does), and interleaving makes every mode see the same machine. As
+training on the CPU does, malloc keeps freed memory for reuse (train.keep_freed_memory; --malloc
+default leaves the C library's own behaviour, which page-faults fresh memory in on every step).
 """
 import argparse
 import time
@@ -19,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from delta_gpt import GPT, GPTConfig, RESIDUALS
+from train import keep_freed_memory
 
 # name -> (model config, batch size), fp32 eager on the CPU: the cpu preset's model (character vocabulary) and GPT-2 small
 CONFIGS = {
@@ -113,9 +116,12 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth)")
     ap.add_argument("--rounds", type=int, default=15, help="timing rounds, interleaved over the modes (the fastest is taken)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                    help="keep: malloc keeps freed memory for reuse, as CPU training does; default: the C library's behaviour")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    malloc = "keeps freed memory" if args.malloc == "keep" and keep_freed_memory() else "default"
     modes = tuple(args.residual.split(","))
     if modes[0] != "baseline":
         modes = ("baseline",) + tuple(m for m in modes if m != "baseline")
@@ -123,7 +129,7 @@ def main(argv=None):
         config, batch = CONFIGS[name]
         memory_layers = (2 * config.n_layer,) if name == "d768" else ()
         print(f"\n{name}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, "
-              f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, best of {args.rounds} rounds")
+              f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, malloc {malloc}, best of {args.rounds} rounds")
         rows = bench(config, batch, modes, iters=args.iters, rounds=args.rounds, memory_layers=memory_layers)
         print(table(rows, memory_layers))
 

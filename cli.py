@@ -266,6 +266,7 @@ def bench(
     config: str = typer.Option("all", "--config", help="cpu (4 layers, 128 wide, ctx 64, batch 12), d768 (12 layers, 768, ctx 128, batch 4), or all"),
     iters: Optional[int] = typer.Option(None, "--iters", help="steps per timing round [default: about a second's worth]"),
     rounds: int = typer.Option(15, "--rounds", help="timing rounds, interleaved over the modes; the fastest is taken"),
+    malloc: str = typer.Option("keep", "--malloc", help="keep: malloc keeps freed memory for reuse, as CPU training does; default: the C library's behaviour"),
 ):
     """Tokens/s (forward+backward), saved-activation bytes and parameters per mode, with ratios to baseline."""
     import bench as B
@@ -278,7 +279,9 @@ def bench(
         fail(f"unknown --config {config!r}; choose one of {', '.join(B.CONFIGS)} or all")
     if (iters is not None and iters < 1) or rounds < 1:
         fail("--iters and --rounds must be at least 1")
-    B.main(["--config", config, "--residual", ",".join(modes), "--rounds", str(rounds)]
+    if malloc not in ("keep", "default"):
+        fail(f"unknown --malloc {malloc!r}; choose keep or default")
+    B.main(["--config", config, "--residual", ",".join(modes), "--rounds", str(rounds), "--malloc", malloc]
            + (["--iters", str(iters)] if iters is not None else []))
 
 

@@ -186,6 +186,7 @@ def test_unknown_mode_and_preset(runs, tmp_path):
     refused("unknown mode 'resnet'", "compare", "--residual", "baseline,resnet")
     refused("unknown preset 'huge'", "compare", "--preset", "huge", "--out", tmp_path / "c")
     refused("unknown mode 'resnet'", "bench", "--residual", "resnet")
+    refused("unknown --malloc 'huge'", "bench", "--malloc", "huge")
     refused("is not a routed mode", "convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "resnet",
             "--out", tmp_path / "x.pt")
     refused("already a delta model", "convert", "--ckpt", runs / "delta" / "last.pt", "--residual", "attnres",

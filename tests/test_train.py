@@ -104,6 +104,48 @@ def test_tiny_model_overfits_one_batch(residual):
     assert loss.item() < 0.05
 
 
+FAULTS_PER_STEP = """
+import resource, statistics, sys, torch
+import train
+from delta_gpt import GPT, GPTConfig
+if sys.argv[1] == "keep":
+    assert train.keep_freed_memory()
+torch.manual_seed(0)
+model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=64, vocab_size=65, residual="delta"))
+opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+idx = torch.randint(0, 65, (12, 64))  # activations of 0.4 MB: over glibc's first mmap threshold (128 KB)
+faults = []
+for _ in range(13):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    _, loss = model(idx, idx)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(statistics.median(faults[5:]))  # once warm
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (Linux)")
+def test_keep_freed_memory_stops_the_page_faults_of_each_step():
+    """In a process of its own (the setting is process-wide): once warm, CPU training steps reuse freed
+    memory instead of page-faulting it in again."""
+    def faults(malloc):
+        r = subprocess.run([sys.executable, "-c", FAULTS_PER_STEP, malloc], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return float(r.stdout.split()[-1])
+    default = faults("default")  # median page faults per step
+    if default < 50:
+        pytest.skip(f"this C library's malloc already reuses freed memory ({default:.0f} page faults per step)")
+    assert faults("keep") < default / 20
+
+
+def test_keep_freed_memory_without_mallopt_is_a_no_op(monkeypatch):
+    monkeypatch.setattr(T.ctypes, "CDLL", lambda name: object())  # a C library without mallopt (macOS, musl builds)
+    assert T.keep_freed_memory() is False
+
+
 # ---------------------------------------------------------------- nothing lost
 
 def test_checkpoint_write_crash_keeps_previous(tmp_path, monkeypatch):
