@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from errors import DeltaGPTError
 
-class DataError(ValueError):
+
+class DataError(DeltaGPTError):
     """Bad input to the data layer. The message is one sentence: what is wrong and what to do."""
 
 
