@@ -7,15 +7,15 @@
 Bad input ends with one line on stderr and exit status 1, never a traceback.
 """
 import functools
-import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 import typer.core
+
+from errors import DeltaGPTError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,29 +34,24 @@ def fail(message: str):
 
 
 def friendly(fn):
-    """Turn the project's bad-input errors (ValueError and its subclasses such as DataError, TrainError,
-    missing files) into one line and exit 1; an interrupted training run exits 130."""
+    """Turn the project's bad-input errors (errors.DeltaGPTError and its subclasses) into one line and
+    exit 1; an interrupted training run exits 130."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError) as e:
+        except DeltaGPTError as e:
             fail(str(e))
         except KeyboardInterrupt:
             raise typer.Exit(130)
-        except RuntimeError as e:
-            train = sys.modules.get("train")  # imported lazily: commands without torch start fast
-            if train is None or not isinstance(e, train.TrainError):
-                raise
-            fail(str(e))
     return wrapper
 
 
 def train_options_help():
     """The help text listing every TrainConfig field as an option, with the cpu preset's value."""
     import train
-    helps, defaults = train.field_help(), train.TrainConfig()
-    lines = [f"  --{train.flag(f.name):<27} {helps[f.name]} [cpu: {getattr(defaults, f.name)}]"
+    defaults = train.TrainConfig()
+    lines = [f"  --{train.flag(f.name):<27} {f.metadata['help']} [cpu: {getattr(defaults, f.name)}]"
              for f in train.fields(train.TrainConfig)]
     return ("Training options: any TrainConfig field, as --field VALUE, --field=VALUE or --flag / --no-flag.\n\n"
             "\b\n" + "\n".join(lines) + f"\n\nPresets: {', '.join(train.PRESETS)} (default: cpu without CUDA, "
@@ -70,35 +65,6 @@ class TrainHelp(typer.core.TyperCommand):
     def format_epilog(self, ctx, formatter):
         self.epilog = train_options_help()
         super().format_epilog(ctx, formatter)
-
-
-def load_model(ckpt_path, device="cpu"):
-    """(model in eval mode, checkpoint dict) from a checkpoint path."""
-    import train
-    ckpt = train.load_checkpoint(ckpt_path, map_location=device)
-    model = train.model_from_checkpoint(ckpt).to(device).eval()
-    return model, ckpt
-
-
-def open_eval_dataset(ckpt, ckpt_path, dataset=None, data_dir=None):
-    """The checkpoint's dataset (or `dataset`), refused when its tokenizer differs from the checkpoint's."""
-    import data
-    import train
-    saved = ckpt.get("dataset") or {}
-    name = dataset or saved.get("name") or ckpt["config"].get("dataset")
-    data_dir = data_dir or ckpt["config"].get("data_dir")
-    kw = {"data_dir": data_dir} if data_dir else {}
-    ds = data.load(name, block_size=ckpt["model_config"]["block_size"], **kw)
-    train.check_tokenizer(ckpt, ds.meta, ckpt_path)
-    return ds
-
-
-def checkpoint_tokenizer(ckpt, ckpt_path):
-    import data
-    saved = ckpt.get("dataset") or {}
-    if not saved.get("tokenizer"):
-        fail(f"{ckpt_path} does not record its tokenizer; it was not written by delta-gpt's train.py")
-    return data.get_tokenizer(saved)
 
 
 @app.command()
@@ -132,12 +98,12 @@ def train(ctx: typer.Context):
     Works under torchrun for DDP: torchrun --standalone --nproc_per_node=N cli.py train ...
     """
     import train as T
-    preset, overrides = T.parse_args(ctx.args)
-    cfg = T.resume_config(preset, **overrides) if overrides.get("resume") else T.make_config(preset, **overrides)
+    cfg = T.config_from_args(ctx.args)
+    T.apply_process_settings(cfg)
     summary = T.train(cfg)
     if summary.get("val_loss") is not None and int(os.environ.get("RANK", 0)) == 0:
         typer.echo(f"done: val loss {summary['val_loss']:.4f} (perplexity {math.exp(summary['val_loss']):.2f}) "
-                   f"after {summary['iter_num']} steps; checkpoints in {cfg.out_dir or T.out_dir_of(cfg)}")
+                   f"after {summary['iter_num']} steps; checkpoints in {T.out_dir_of(cfg)}")
 
 
 @app.command()
@@ -154,32 +120,9 @@ def sample(
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, mps"),
 ):
     """Generate text from a checkpoint with the KV cache, decoded with the checkpoint's tokenizer."""
-    import torch
-    model, ck = load_model(ckpt, device)
-    tok = checkpoint_tokenizer(ck, ckpt)
-    if prompt is not None and prompt_file is not None:
-        fail("give --prompt or --prompt-file, not both")
-    if prompt_file is not None:
-        if not prompt_file.is_file():
-            fail(f"prompt file {prompt_file} does not exist")
-        prompt = prompt_file.read_text(encoding="utf-8")
-    if prompt is None:
-        prompt = "\n" if tok.name == "char" else "<|endoftext|>"
-    if prompt == "":
-        fail("the prompt is empty; give at least one character")
-    if max_new_tokens < 1:
-        fail(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if num_samples < 1:
-        fail(f"--num-samples must be at least 1, got {num_samples}")
-    if top_k is not None and not 1 <= top_k <= tok.vocab_size:
-        fail(f"--top-k must be between 1 and the vocabulary size {tok.vocab_size}, got {top_k}")
-    top_k = top_k or min(200, tok.vocab_size)
-    ids = tok.encode(prompt)
-    x = torch.tensor(ids, dtype=torch.long, device=device)[None, -model.config.block_size:]
-    torch.manual_seed(seed)
-    for i in range(num_samples):
-        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)
-        typer.echo(tok.decode(y[0].tolist()))
+    import sample as S
+    for text in S.generate_text(ckpt, prompt, prompt_file, num_samples, max_new_tokens, temperature, top_k, seed, device):
+        typer.echo(text)
         typer.echo("---------------")
 
 
@@ -191,32 +134,13 @@ def report(
     batches: int = typer.Option(8, "--batches", help="fixed validation batches to average over"),
     batch_size: int = typer.Option(8, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
+    force: bool = typer.Option(False, "--force", help="replace report.json and report.png if --out holds them"),
 ):
     """Routing sharpness on fixed validation batches: a table, report.json and report.png."""
     import report as R
-    import train as T
-    from tqdm import tqdm
-    if len(ckpt) > 2:
-        fail("report compares at most two checkpoints")
-    if batches < 1 or batch_size < 1:
-        fail("--batches and --batch-size must be at least 1")
-    reports = []
-    for path in tqdm(ckpt, desc="routing statistics", disable=len(ckpt) < 2, leave=False):
-        model, ck = load_model(path)
-        if model.config.residual == "baseline":
-            fail(f"{path} is a baseline model: it has no routing to report; train or convert a routed one "
-                 f"(--residual attnres, delta or delta_block)")
-        ds = open_eval_dataset(ck, path, data_dir=data_dir)
-        label = model.config.residual if len({str(p) for p in ckpt}) == len(ckpt) else str(path)
-        if any(label == l for l, _ in reports):
-            label = f"{label} ({path.parent.name})"
-        reports.append((label, T.routing_stats(model, ds, batches, batch_size)))
-    typer.echo(R.routing_table(reports))
-    out = out or Path(ckpt[0]).parent / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    R.save_json({label: dict(stats, checkpoint=str(p)) for (label, stats), p in zip(reports, ckpt)}, out / "report.json")
-    R.draw_routing(reports, out / "report.png")
-    typer.echo(f"\nwrote {out / 'report.json'} and {out / 'report.png'}")
+    table, written = R.report_checkpoints(ckpt, out, batches, batch_size, data_dir, force)
+    typer.echo(table)
+    typer.echo(f"\nwrote {' and '.join(str(p) for p in written)}")
 
 
 @app.command()
@@ -230,26 +154,14 @@ def convert(
     eval_iters: int = typer.Option(20, "--eval-iters", help="fixed validation batches for the before/after loss"),
     batch_size: int = typer.Option(12, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
+    force: bool = typer.Option(False, "--force", help="replace --out if it exists (never the input checkpoint)"),
 ):
     """A routed checkpoint from a baseline one, routing at zero init; prints the val loss before and after."""
     import train as T
-    from dataclasses import asdict
-    from delta_gpt import RESIDUALS
-    if residual not in RESIDUALS or residual == "baseline":
-        fail(f"--residual {residual!r} is not a routed mode; choose attnres, delta or delta_block")
-    base, ck = load_model(ckpt)
-    if base.config.residual != "baseline":
-        fail(f"{ckpt} is already a {base.config.residual} model; convert starts from a baseline checkpoint")
-    route = dict(residual=residual, n_route_blocks=n_route_blocks, route_partial=route_partial)
-    routed = T.model_from_checkpoint(ck, **route).eval()
-    ds = open_eval_dataset(ck, ckpt, data_dir=data_dir)
-    before = T.estimate_loss(base, ds, "val", eval_iters, batch_size, progress=True)
-    after = T.estimate_loss(routed, ds, "val", eval_iters, batch_size, progress=True)
-    config = dict(ck["config"], **{k: getattr(routed.config, k) for k in route}, init_from=str(ckpt))
-    T.save_checkpoint(dict(model=routed.state_dict(), model_config=asdict(routed.config), config=config,
-                           iter_num=0, best_val_loss=after, dataset=ck.get("dataset"), converted_from=str(ckpt)), out)
+    before, after, config = T.convert_checkpoint(ckpt, out, residual, n_route_blocks, route_partial, eval_iters,
+                                                 batch_size, data_dir, force)
     typer.echo(f"val loss: baseline {before:.6f}, {residual} {after:.6f} (change {after - before:+.2e})")
-    if residual != "delta_block" or routed.config.route_partial:
+    if residual != "delta_block" or config.route_partial:
         typer.echo("the sources telescope, so the routed model computes the baseline's function at zero init, "
                    "up to LayerNorm's eps" + (": replacement routing feeds x/n to LayerNorm, which weighs eps about "
                    "n^2 more while the stream is small (little training)" if residual == "attnres" else ""))
@@ -294,60 +206,27 @@ def compare(
     preset: Optional[str] = typer.Option(None, "--preset", help="training preset (default: cpu without CUDA)"),
     max_iters: Optional[int] = typer.Option(None, "--max-iters", help="steps per run (default: the preset's)"),
     out: Path = typer.Option(Path("runs/compare"), "--out", help="folder for the runs, compare.json/.md and curves.png"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="train every run again, even finished ones in --out"),
 ):
     """Train each mode and seed on the same batches, then tabulate val loss, perplexity, sharpness, speed.
 
     Any other train option (--n-layer 2, --eval-interval 100, ...) applies to every run. Finished runs in
-    --out are reused, unfinished ones resumed, so an interrupted compare continues where it stopped.
+    --out are reused and unfinished ones resumed when their recorded settings match the ones asked for
+    (otherwise the command refuses, naming them), so an interrupted compare continues where it stopped.
     """
-    import report as R
+    import compare as C
     import train as T
-    from delta_gpt import RESIDUALS
-    modes = [m for m in residual.split(",") if m]
-    bad = [m for m in modes if m not in RESIDUALS]
-    if bad or not modes:
-        fail(f"unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(RESIDUALS)}")
     try:
         seed_list = [int(s) for s in seeds.split(",") if s]
     except ValueError:
         fail(f"--seeds takes comma-separated integers, got {seeds!r}")
-    if not seed_list:
-        fail("--seeds needs at least one seed")
     _, overrides = T.parse_args(ctx.args)
-    for key in ("residual", "seed", "out_dir", "resume", "overwrite"):
-        if key in overrides:
-            fail(f"compare sets --{T.flag(key)} itself; leave it out")
     if max_iters is not None:
         overrides["max_iters"] = max_iters
-    runs, curves = {}, {}
-    for mode in modes:
-        # routing options (--n-route-blocks, --route-sources, ...) apply to the routed modes only
-        mode_overrides = {k: v for k, v in overrides.items() if mode != "baseline" or k not in T.ROUTE_FIELDS}
-        for seed in seed_list:
-            cfg = T.make_config(preset, **mode_overrides, residual=mode, seed=seed, out_dir=str(out / f"{mode}-s{seed}"))
-            last = Path(cfg.out_dir) / "last.pt"
-            done = T.load_checkpoint(last, mmap=True)["iter_num"] if last.exists() else None
-            if done is not None and done >= cfg.max_iters:
-                typer.echo(f"{mode} seed {seed}: reusing the finished run in {cfg.out_dir}")
-            else:
-                if done is not None:
-                    cfg = T.resume_config(preset, **mode_overrides, residual=mode, seed=seed, out_dir=cfg.out_dir, resume=True)
-                T.train(cfg)
-            rows = T.read_metrics(cfg.out_dir)
-            evals = [r for r in rows if r["kind"] == "eval"]
-            speeds = [r["tokens_per_s"] for r in rows if r["kind"] == "train"]
-            runs.setdefault(mode, []).append(dict(
-                seed=seed, val_loss=evals[-1]["val_loss"], tokens_per_s=sorted(speeds)[len(speeds) // 2] if speeds else None,
-                max_weight=(evals[-1].get("routing") or {}).get("mean_max_weight"),
-                params=json.loads((Path(cfg.out_dir) / "config.json").read_text())["params"]))
-            curves.setdefault(mode, []).append([(r["step"], r["val_loss"]) for r in evals])
-    rows = R.compare_rows(runs)
-    table = R.compare_table(rows)
+    T.apply_process_settings(T.make_config(preset, **{k: v for k, v in overrides.items()
+                                                      if k in ("device", "threads", "keep_freed_memory")}))
+    table = C.compare([m for m in residual.split(",") if m], seed_list, preset, overrides, out, overwrite, typer.echo)
     typer.echo(table)
-    out.mkdir(parents=True, exist_ok=True)
-    R.save_json(dict(rows=rows, runs=runs), out / "compare.json")
-    (out / "compare.md").write_text(table + "\n")
-    R.draw_curves(curves, out / "curves.png")
     typer.echo(f"\nwrote {out / 'compare.md'}, {out / 'compare.json'} and {out / 'curves.png'}")
 
 
@@ -362,14 +241,10 @@ def evaluate(
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, mps"),
 ):
     """Validation loss and perplexity of a checkpoint on fixed batches."""
-    import train as T
-    if eval_iters < 1 or batch_size < 1:
-        fail("--eval-iters and --batch-size must be at least 1")
-    model, ck = load_model(ckpt, device)
-    ds = open_eval_dataset(ck, ckpt, dataset=dataset, data_dir=data_dir)
-    loss = T.estimate_loss(model, ds, "val", eval_iters, batch_size, progress=True)
-    typer.echo(f"{ds.name} val loss {loss:.4f}, perplexity {math.exp(loss):.3f} "
-               f"({eval_iters} batches of {batch_size} x {model.config.block_size} tokens)")
+    import sample as S
+    name, loss, block_size = S.evaluate_checkpoint(ckpt, dataset, eval_iters, batch_size, data_dir, device)
+    typer.echo(f"{name} val loss {loss:.4f}, perplexity {math.exp(loss):.3f} "
+               f"({eval_iters} batches of {batch_size} x {block_size} tokens)")
 
 
 if __name__ == "__main__":

@@ -383,6 +383,7 @@ class GPTConfig:
     n_route_blocks: Optional[int] = None # N blocks of 2*n_layer/N sublayers; None: 4 (attnres, delta_block), 2*n_layer (delta)
     route_partial: Optional[bool] = None # route the current block's partial sum too; None: True (attnres, delta), False (delta_block)
     route_sources: Optional[str] = None # "delta" (block sums) or "cumulative" (stream snapshots); None: "delta"
+    fast_routing: bool = True # the fused routing path; same numbers as the plain one, not part of the architecture
 
     def __post_init__(self):
         """Check the fields and fill in each mode's defaults; a bad value is one clear ValueError."""

@@ -161,3 +161,37 @@ def draw_curves(curves, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, force=False):
+    """Routing statistics of one or two routed checkpoints on the same fixed validation batches: returns the
+    table and the files written (out/report.json and out/report.png; out defaults to beside the first).
+    Every checkpoint is checked before anything is computed, and existing reports are kept unless force."""
+    import sample as S
+    import train as T
+    from pathlib import Path
+    if len(paths) > 2:
+        raise T.ConfigError("report compares at most two checkpoints")
+    if batches < 1 or batch_size < 1:
+        raise T.ConfigError("--batches and --batch-size must be at least 1")
+    out = Path(out) if out is not None else Path(paths[0]).parent / "report"
+    written = [out / "report.json", out / "report.png"]
+    if not force and any(p.exists() for p in written):
+        raise T.ConfigError(f"{out} already holds a report; pass --force to replace it, or choose another --out")
+    loaded = []
+    for path in paths:
+        model, ckpt = S.load_model(path)
+        if model.config.residual == "baseline":
+            raise T.ConfigError(f"{path} is a baseline model: it has no routing to report; train or convert a routed "
+                                f"one (--residual attnres, delta or delta_block)")
+        loaded.append((path, model, T.checkpoint_dataset(ckpt, path, data_dir=data_dir)))
+    reports = []
+    for path, model, ds in loaded:
+        label = model.config.residual if len({str(p) for p in paths}) == len(paths) else str(path)
+        if any(label == l for l, _ in reports):
+            label = f"{label} ({Path(path).parent.name})"
+        reports.append((label, T.routing_stats(model, ds, batches, batch_size)))
+    out.mkdir(parents=True, exist_ok=True)
+    save_json({label: dict(stats, checkpoint=str(p)) for (label, stats), p in zip(reports, paths)}, written[0])
+    draw_routing(reports, written[1])
+    return routing_table(reports), written

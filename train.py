@@ -15,20 +15,20 @@ Each step draws its global batch from (seed, step) and rank r's micro-step m tak
 so a resumed run sees exactly the batches it would have seen, and 2 ranks with 1 micro-step, 1 rank with
 2 micro-steps and 1 rank with a double batch all train on the same data. Evaluation always uses the
 same fixed batches, so curves compare across runs, seeds and modes.
+
+The file reads top-down: options, checkpoints, data, then the run (setup, the loop and its steps).
 """
 import contextlib
 import ctypes
 import difflib
-import inspect
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -40,66 +40,91 @@ from tqdm import tqdm
 
 import data
 from delta_gpt import GPT, GPTConfig, RESIDUALS, is_routing_key
+from errors import DeltaGPTError
 
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "residual",
-                "n_route_blocks", "route_partial", "route_sources")  # TrainConfig fields that build GPTConfig
-ARCH_FIELDS = tuple(f for f in MODEL_FIELDS if f != "dropout") + ("vocab_size",)  # fixed once trained
-ROUTE_FIELDS = ("residual", "n_route_blocks", "route_partial", "route_sources")  # --init-from may change these
 GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+ROUTED_MODES = tuple(m for m in RESIDUALS if m != "baseline")
 EVAL_SEED = 20260518  # seeds the fixed evaluation batches, the same whatever the training seed
 
 
-class TrainError(RuntimeError):
-    """A run that cannot go on (non-finite loss, unusable checkpoint): one line, with what to do."""
+class ConfigError(DeltaGPTError):
+    """An option value that cannot be used, or options that do not go together."""
+
+
+class TrainError(DeltaGPTError):
+    """A run that cannot go on (non-finite loss, unusable checkpoint, busy run directory)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# options: every TrainConfig field is a command-line option; its help text lives beside it
+
+def option(default, help):
+    """A TrainConfig field with its one-line help (both command lines show it)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class TrainConfig:
-    preset: str = "cpu"  # the preset these values started from (recorded; --preset chooses it)
-    out_dir: Optional[str] = None  # run directory for checkpoints and metrics (default runs/PRESET-RESIDUAL)
-    dataset: str = "shakespeare_char"  # a prepared dataset under data_dir (see `python cli.py prepare`)
-    data_dir: Optional[str] = None  # where datasets live (default: the data/ folder)
+    preset: str = option("cpu", "the preset these values started from (recorded; --preset chooses it)")
+    out_dir: Optional[str] = option(None, "run directory for checkpoints and metrics (default runs/PRESET-RESIDUAL)")
+    dataset: str = option("shakespeare_char", "a prepared dataset under data_dir (see `python cli.py prepare`)")
+    data_dir: Optional[str] = option(None, "where datasets live (default: the data/ folder)")
     # model
-    residual: str = "baseline"  # baseline | attnres | delta | delta_block
-    n_layer: int = 4  # transformer layers (2 sublayers each)
-    n_head: int = 4  # attention heads
-    n_embd: int = 128  # model width
-    block_size: int = 64  # context length in tokens
-    dropout: float = 0.0  # dropout in attention, residual and embeddings
-    bias: bool = False  # bias in Linear and LayerNorm layers
-    n_route_blocks: Optional[int] = None  # routing blocks N (must divide 2*n_layer; default per mode)
-    route_partial: Optional[bool] = None  # also route the current block's partial sum (delta_block)
-    route_sources: Optional[str] = None  # delta (block sums) or cumulative (stream snapshots)
-    init_from: str = "scratch"  # scratch, a baseline checkpoint path, or gpt2 / gpt2-medium / ...
+    residual: str = option("baseline", "baseline | attnres | delta | delta_block")
+    n_layer: int = option(4, "transformer layers (2 sublayers each)")
+    n_head: int = option(4, "attention heads")
+    n_embd: int = option(128, "model width")
+    block_size: int = option(64, "context length in tokens")
+    dropout: float = option(0.0, "dropout in attention, residual and embeddings")
+    bias: bool = option(False, "bias in Linear and LayerNorm layers")
+    n_route_blocks: Optional[int] = option(None, "routing blocks N (must divide 2*n_layer; default per mode)")
+    route_partial: Optional[bool] = option(None, "also route the current block's partial sum (delta_block)")
+    route_sources: Optional[str] = option(None, "delta (block sums) or cumulative (stream snapshots)")
+    fast_routing: bool = option(True, "the fused routing path (same numbers as the plain one; off: the plain path)")
+    init_from: str = option("scratch", "scratch, a baseline checkpoint path, or gpt2 / gpt2-medium / ...")
     # optimisation
-    batch_size: int = 12  # sequences per micro-step per rank
-    gradient_accumulation_steps: int = 1  # micro-steps per step, over all ranks (divided among them)
-    max_iters: int = 2000  # total optimizer steps
-    learning_rate: float = 1e-3  # peak learning rate
-    min_lr: float = 1e-4  # final learning rate of the cosine decay
-    warmup_iters: int = 100  # linear warmup steps
-    lr_decay_iters: Optional[int] = None  # cosine decay length in steps (default max_iters)
-    decay_lr: bool = True  # warmup + cosine decay; off: constant learning_rate
-    weight_decay: float = 0.1  # AdamW weight decay of 2-D weights
-    beta1: float = 0.9  # AdamW beta1
-    beta2: float = 0.99  # AdamW beta2
-    grad_clip: float = 1.0  # clip gradients at this global norm; 0 disables
-    route_lr_mult: float = 1.0  # learning-rate multiplier of the routing queries and gains
-    seed: int = 1337  # seeds batches, dropout and init
+    batch_size: int = option(12, "sequences per micro-step per rank")
+    gradient_accumulation_steps: int = option(1, "micro-steps per step, over all ranks (divided among them)")
+    max_iters: int = option(2000, "total optimizer steps")
+    learning_rate: float = option(1e-3, "peak learning rate")
+    min_lr: float = option(1e-4, "final learning rate of the cosine decay")
+    warmup_iters: int = option(100, "linear warmup steps")
+    lr_decay_iters: Optional[int] = option(None, "cosine decay length in steps (default max_iters)")
+    decay_lr: bool = option(True, "warmup + cosine decay; off: constant learning_rate")
+    weight_decay: float = option(0.1, "AdamW weight decay of 2-D weights")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.99, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip gradients at this global norm; 0 disables")
+    route_lr_mult: float = option(1.0, "learning-rate multiplier of the routing queries and gains")
+    seed: int = option(1337, "seeds batches, dropout and init")
     # evaluation, logging, checkpoints
-    eval_interval: int = 250  # evaluate every this many steps
-    eval_iters: int = 20  # fixed batches per evaluation
-    log_interval: int = 10  # write a metrics line every this many steps
-    ckpt_interval: int = 250  # write last.pt every this many steps
-    eval_only: bool = False  # evaluate once and exit
-    resume: bool = False  # continue from out_dir/last.pt
-    overwrite: bool = False  # start afresh even if out_dir holds a checkpoint
-    progress: bool = True  # show a progress bar
+    eval_interval: int = option(250, "evaluate every this many steps")
+    eval_iters: int = option(20, "fixed batches per evaluation")
+    log_interval: int = option(10, "write a metrics line (and, without a terminal, a progress line) every this many steps")
+    ckpt_interval: int = option(250, "write last.pt every this many steps")
+    eval_only: bool = option(False, "evaluate once and exit")
+    resume: bool = option(False, "continue from out_dir/last.pt")
+    overwrite: bool = option(False, "start afresh even if out_dir holds a run (its checkpoints are deleted)")
+    progress: bool = option(True, "show a progress bar (a plain line every log_interval steps without a terminal)")
     # system
-    device: str = "auto"  # auto (cuda, then mps, then cpu), or cpu, cuda, cuda:1, mps
-    dtype: str = "auto"  # auto (bfloat16 on CUDA where supported, else float16; float32 on CPU/MPS), float32, bfloat16, float16
-    compile: Optional[bool] = None  # torch.compile the model (default: on for CUDA, off elsewhere)
+    device: str = option("auto", "auto (cuda, then mps, then cpu), or cpu, cuda, cuda:1, mps")
+    dtype: str = option("auto", "auto (bfloat16 on CUDA where supported, else float16; float32 on CPU/MPS), "
+                                "float32, bfloat16, float16")
+    compile: Optional[bool] = option(None, "torch.compile the model (default: on for CUDA, off elsewhere)")
+    threads: Optional[int] = option(None, "CPU threads for torch (default: the free cores, so a busy machine gets fewer)")
+    keep_freed_memory: bool = option(True, "CPU: malloc keeps freed memory for the next step (no page faults each step)")
 
+
+def help_of(name):
+    """The help text of a TrainConfig field."""
+    return next(f.metadata["help"] for f in fields(TrainConfig) if f.name == name)
+
+
+MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name != "vocab_size")  # the TrainConfig fields that build GPTConfig
+ROUTE_FIELDS = ("residual", "n_route_blocks", "route_partial", "route_sources")  # --init-from may change these
+ARCH_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "fast_routing"))  # fixed once trained
+BOOKKEEPING_FIELDS = ("out_dir", "resume", "overwrite", "progress", "eval_only", "threads", "keep_freed_memory",
+                      "log_interval", "ckpt_interval")  # change no number of a run
 
 PRESETS = {
     # nanoGPT's CPU recipe: a few minutes on 2 cores
@@ -123,15 +148,15 @@ def default_preset():
 
 
 def make_config(preset=None, **overrides):
-    """TrainConfig from a named preset plus field overrides; bad names and values raise ValueError."""
+    """TrainConfig from a named preset plus field overrides; bad names and values raise ConfigError."""
     preset = preset or default_preset()
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     unknown = set(overrides) - {f.name for f in fields(TrainConfig)}
     if unknown:
-        raise ValueError(f"unknown TrainConfig field(s) {', '.join(sorted(unknown))}")
+        raise ConfigError(f"unknown TrainConfig field(s) {', '.join(sorted(unknown))}")
     if overrides.get("resume") and overrides.get("init_from", "scratch") != "scratch":
-        raise ValueError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
+        raise ConfigError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
     cfg = replace(TrainConfig(), **{**PRESETS[preset], **overrides, "preset": preset})
     check_config(cfg)
     return cfg
@@ -139,15 +164,18 @@ def make_config(preset=None, **overrides):
 
 def resume_config(preset=None, **overrides):
     """The config of the run in out_dir (from its last.pt) with `overrides` on top, for --resume.
-    The architecture may not change (train() refuses it, naming the fields); other changes are logged."""
-    if overrides.get("init_from", "scratch") != "scratch":
-        raise ValueError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
+    The architecture may not change (refused, naming the options given); other changes are logged."""
     fresh = make_config(preset, **{**overrides, "resume": True})
     ckpt = load_checkpoint(Path(out_dir_of(fresh)) / "last.pt", mmap=True)
     names = {f.name for f in fields(TrainConfig)}
     saved = replace(TrainConfig(), **{k: v for k, v in ckpt["config"].items() if k in names})
     if preset is not None and preset != saved.preset:
-        raise ValueError(f"--preset {preset} differs from the run's preset {saved.preset}; a resumed run keeps its preset")
+        raise ConfigError(f"--preset {preset} differs from the run's preset {saved.preset}; a resumed run keeps its preset")
+    changed = [f"--{flag(k)} {v} (the run has {getattr(saved, k)})" for k, v in overrides.items()
+               if k in ARCH_FIELDS and v != getattr(saved, k)]
+    if changed:
+        raise ConfigError(f"cannot resume {out_dir_of(fresh)} with another architecture: {'; '.join(changed)}; "
+                          f"leave these out, or train a new run in another --out-dir")
     # the saved init_from only records where the run began: its weights now come from last.pt
     cfg = replace(saved, **{**overrides, "resume": True})
     check_config(cfg)
@@ -159,77 +187,78 @@ def out_dir_of(cfg):
 
 
 def check_config(cfg):
-    """One clear ValueError for a bad value; the model fields are checked by GPTConfig itself."""
+    """One clear ConfigError for a bad value or combination; GPTConfig checks the model fields."""
     for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters", "log_interval",
                  "ckpt_interval"):
         if getattr(cfg, name) < 1:
-            raise ValueError(f"--{flag(name)} must be at least 1, got {getattr(cfg, name)}")
+            raise ConfigError(f"--{flag(name)} must be at least 1, got {getattr(cfg, name)}")
     for name in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip"):
         if getattr(cfg, name) < 0:
-            raise ValueError(f"--{flag(name)} must not be negative, got {getattr(cfg, name)}")
+            raise ConfigError(f"--{flag(name)} must not be negative, got {getattr(cfg, name)}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {cfg.threads}")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume continues the run in out_dir and --overwrite deletes it; give one of them")
     if cfg.device != "auto":
         try:
             torch.device(cfg.device)
         except RuntimeError:
-            raise ValueError(f"--device {cfg.device!r} is unknown; choose auto, cpu, cuda, cuda:N or mps") from None
+            raise ConfigError(f"--device {cfg.device!r} is unknown; choose auto, cpu, cuda, cuda:N or mps") from None
     if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ValueError(f"--dtype {cfg.dtype!r} is unknown; choose auto, float32, bfloat16 or float16")
+        raise ConfigError(f"--dtype {cfg.dtype!r} is unknown; choose auto, float32, bfloat16 or float16")
     if cfg.init_from in GPT2_MODELS and cfg.block_size > 1024:
-        raise ValueError(f"--init-from {cfg.init_from} has 1024 positions; use --block-size 1024 or less")
+        raise ConfigError(f"--init-from {cfg.init_from} has 1024 positions; use --block-size 1024 or less")
     if cfg.eval_only and not cfg.resume and cfg.init_from == "scratch":
-        raise ValueError("--eval-only evaluates a trained model: add --resume (out_dir/last.pt) or --init-from PATH")
+        raise ConfigError("--eval-only evaluates a trained model: add --resume (out_dir/last.pt) or --init-from PATH")
     model_config(cfg, vocab_size=1)  # GPTConfig checks the model fields
 
 
+def gpt_config(**fields_):
+    """GPTConfig(**fields_), its ValueError for a bad field turned into a ConfigError."""
+    try:
+        return GPTConfig(**fields_)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def model_config(cfg, vocab_size):
-    return GPTConfig(vocab_size=vocab_size, **{k: getattr(cfg, k) for k in MODEL_FIELDS})
+    return gpt_config(vocab_size=vocab_size, **{k: getattr(cfg, k) for k in MODEL_FIELDS})
 
 
 def flag(name):
     return name.replace("_", "-")
 
 
-# ------------------------------------------------------------------------------------------------
-# command line: --field value for every TrainConfig field
-
-def field_help():
-    """Each TrainConfig field's one-line comment, read from the source above."""
-    src = inspect.getsource(TrainConfig)
-    return dict(re.findall(r"^\s+(\w+): [^=]+= .*?  # (.*)$", src, flags=re.M))
-
-
 def parse_args(argv):
     """['--residual', 'delta', '--max-iters=100', '--no-compile', ...] -> (preset, overrides).
-    Raises ValueError naming an unknown option (with the closest match) or a value of the wrong type."""
-    types = {f.name: f.type for f in fields(TrainConfig)}
-    preset, overrides, argv = None, {}, list(argv)
+    Raises ConfigError naming an unknown option (with the closest match) or a value of the wrong type."""
+    types = {f.name: str(f.type) for f in fields(TrainConfig)}
+    overrides, argv = {}, list(argv)
     while argv:
         arg = argv.pop(0)
         if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}; options look like --max-iters 100")
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --max-iters 100")
         name, _, value = arg[2:].partition("=")
         name = name.replace("-", "_")
         negated = name.startswith("no_") and name[3:] in types
         key = name[3:] if negated else name
         kind = types.get(key)
-        if kind is not None and "bool" in str(kind) and not value:  # --flag / --no-flag
+        if kind is not None and "bool" in kind and not value:  # --flag / --no-flag
             overrides[key] = not negated
             continue
         if key not in types:
             close = difflib.get_close_matches(key, list(types), n=1)
             hint = f"; did you mean --{flag(close[0])}?" if close else ""
-            raise ValueError(f"unknown option --{flag(key)}{hint} (see `python cli.py train --help`)")
+            raise ConfigError(f"unknown option --{flag(key)}{hint} (see `python cli.py train --help`)")
         if not value:
             if not argv:
-                raise ValueError(f"--{flag(key)} needs a value")
+                raise ConfigError(f"--{flag(key)} needs a value")
             value = argv.pop(0)
         overrides[key] = convert(key, kind, value)
-    preset = overrides.pop("preset", None)
-    return preset, overrides
+    return overrides.pop("preset", None), overrides
 
 
 def convert(key, kind, value):
-    kind = str(kind)
     if value.lower() == "none" and "Optional" in kind:
         return None
     try:
@@ -244,7 +273,13 @@ def convert(key, kind, value):
         return value
     except ValueError:
         expected = "true or false" if "bool" in kind else "an integer" if "int" in kind else "a number"
-        raise ValueError(f"--{flag(key)} expects {expected}, got {value!r}") from None
+        raise ConfigError(f"--{flag(key)} expects {expected}, got {value!r}") from None
+
+
+def config_from_args(argv):
+    """The TrainConfig a command line asks for: a fresh run, or with --resume the run in out_dir."""
+    preset, overrides = parse_args(argv)
+    return resume_config(preset, **overrides) if overrides.get("resume") else make_config(preset, **overrides)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,10 +300,12 @@ def save_checkpoint(obj, path):
 
 
 def load_checkpoint(path, map_location="cpu", mmap=False):
-    """A checkpoint dict, or one clear TrainError/FileNotFoundError saying what is wrong with the file."""
+    """A checkpoint dict, or one clear TrainError saying what is wrong with the file."""
     path = Path(path)
+    if path.is_dir():
+        raise TrainError(f"{path} is a folder, not a checkpoint file; give a file such as {path / 'last.pt'}")
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise TrainError(f"checkpoint {path} does not exist")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated, corrupt, or pickled objects weights_only refuses
@@ -280,10 +317,18 @@ def load_checkpoint(path, map_location="cpu", mmap=False):
     return ckpt
 
 
+def checkpoint_dict(model_state, model_config_, config, iter_num, best_val_loss, dataset, **extra):
+    """The one layout of a checkpoint: weights, the model's GPTConfig and the run's TrainConfig (as a dict),
+    step, best val loss, dataset info; training adds optimizer, scaler, rng, elapsed and commit, convert
+    adds converted_from."""
+    return dict(model=model_state, model_config=asdict(model_config_), config=config, iter_num=iter_num,
+                best_val_loss=best_val_loss, dataset=dataset, **extra)
+
+
 def model_from_checkpoint(ckpt, **override):
     """The GPT stored in a checkpoint (nanoGPT's `_orig_mod.` prefixes stripped). `override` may change
     config fields such as residual; when the routing changes, routing weights start at zero init."""
-    config = GPTConfig(**{**ckpt["model_config"], **override})
+    config = gpt_config(**{**ckpt["model_config"], **override})
     model = GPT(config)
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
     if any(getattr(config, k) != ckpt["model_config"].get(k) for k in ROUTE_FIELDS):
@@ -299,6 +344,63 @@ def model_from_checkpoint(ckpt, **override):
 def arch_diff(old, new, keys=ARCH_FIELDS):
     """The architecture fields whose values differ between two model-config dicts, for messages."""
     return [f"{k} ({old.get(k)!r} in the checkpoint, {new.get(k)!r} now)" for k in keys if old.get(k) != new.get(k)]
+
+
+def check_tokenizer(ckpt, meta, path):
+    """A checkpoint's dataset tokenizer must match the run's dataset (same ids for the same text)."""
+    saved = ckpt.get("dataset") or {}
+    if saved.get("tokenizer") != meta.get("tokenizer") or saved.get("chars") != meta.get("chars"):
+        raise ConfigError(f"{path} was trained with a different tokenizer or vocabulary ({saved.get('name')}, "
+                          f"{saved.get('tokenizer')}) than this dataset ({meta.get('tokenizer')}); "
+                          f"use a dataset with the same tokenizer")
+
+
+def dataset_info(meta, name):
+    """What sample and report need to decode without the dataset: name, tokenizer, vocabulary."""
+    return dict(name=name, tokenizer=meta.get("tokenizer"), vocab_size=meta.get("vocab_size"), chars=meta.get("chars"))
+
+
+def refuse_to_replace(out, force, inputs=()):
+    """Refuse to write `out` over one of `inputs` (always) or over any existing file (unless force)."""
+    out = Path(out)
+    if any(Path(p).exists() and out.exists() and out.samefile(p) for p in inputs):
+        raise ConfigError(f"--out {out} is the input checkpoint itself; write the result to another path")
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file path such as {out / 'converted.pt'}")
+    if out.exists() and not force:
+        raise ConfigError(f"{out} already exists; pass --force to replace it, or choose another --out")
+
+
+def convert_checkpoint(src, out, residual, n_route_blocks=None, route_partial=None, eval_iters=20, batch_size=12,
+                       data_dir=None, force=False):
+    """A routed checkpoint at `out` from the baseline checkpoint `src`, routing at zero init.
+    Returns (val loss before, val loss after, the routed model's config)."""
+    refuse_to_replace(out, force, inputs=[src])
+    if residual not in ROUTED_MODES:
+        raise ConfigError(f"--residual {residual!r} is not a routed mode; choose {', '.join(ROUTED_MODES)}")
+    ckpt = load_checkpoint(src)
+    if ckpt["model_config"]["residual"] != "baseline":
+        raise ConfigError(f"{src} is already a {ckpt['model_config']['residual']} model; "
+                          f"convert starts from a baseline checkpoint")
+    route = dict(residual=residual, n_route_blocks=n_route_blocks, route_partial=route_partial)
+    base, routed = model_from_checkpoint(ckpt).eval(), model_from_checkpoint(ckpt, **route).eval()
+    ds = checkpoint_dataset(ckpt, src, data_dir=data_dir)
+    before = estimate_loss(base, ds, "val", eval_iters, batch_size, progress=True)
+    after = estimate_loss(routed, ds, "val", eval_iters, batch_size, progress=True)
+    config = dict(ckpt["config"], **{k: getattr(routed.config, k) for k in route}, init_from=str(src))
+    save_checkpoint(checkpoint_dict(routed.state_dict(), routed.config, config, 0, after, ckpt.get("dataset"),
+                                    converted_from=str(src)), out)
+    return before, after, routed.config
+
+
+def checkpoint_dataset(ckpt, ckpt_path, dataset=None, data_dir=None):
+    """The checkpoint's dataset (or `dataset`), refused when its tokenizer differs from the checkpoint's."""
+    saved = ckpt.get("dataset") or {}
+    name = dataset or saved.get("name") or ckpt["config"].get("dataset")
+    data_dir = data_dir or ckpt["config"].get("data_dir")
+    ds = data.load(name, block_size=ckpt["model_config"]["block_size"], **({"data_dir": data_dir} if data_dir else {}))
+    check_tokenizer(ckpt, ds.meta, ckpt_path)
+    return ds
 
 
 # ------------------------------------------------------------------------------------------------
@@ -385,16 +487,136 @@ def get_lr(it, cfg):
 
 
 # ------------------------------------------------------------------------------------------------
-# the run
+# the run: setup
+
+def train(cfg):
+    """Run training as configured; returns a summary dict (rank 0) with the final losses and timings.
+    Raises a DeltaGPTError (ConfigError, DataError, TrainError) for bad input or a run that cannot go on."""
+    check_config(cfg)
+    with process_group(cfg) as (rank, world_size, device):
+        run = start_run(cfg, rank, world_size, device)
+        with run.lock:
+            return evaluate_once(run) if cfg.eval_only else train_loop(run)
+
+
+@contextlib.contextmanager
+def process_group(cfg):
+    """(rank, world_size, device): one process, or one of torchrun's (one GPU each on CUDA)."""
+    if int(os.environ.get("RANK", -1)) == -1:
+        yield 0, 1, pick_device(cfg)
+        return
+    rank, world_size, device = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), pick_device(cfg)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    try:
+        if rank == 0:
+            open_dataset(cfg)  # prepares the default dataset once, before the other ranks read it
+        torch.distributed.barrier()
+        yield rank, world_size, device
+    finally:
+        destroy_process_group()
+
+
+@dataclass
+class Run:
+    """Everything one training run holds; the loop's helpers read and advance it."""
+    cfg: TrainConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    model: torch.nn.Module          # what forward runs: compiled and/or wrapped for DDP
+    raw_model: GPT                  # the plain GPT: its state_dict, evaluation and statistics
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ctx: contextlib.AbstractContextManager  # autocast, or nothing for float32
+    ds: data.Dataset
+    record: "RunRecord"
+    lock: "RunLock"
+    iter_num: int
+    best_val_loss: float
+    accum: int                      # micro-steps per rank
+    saved_step: Optional[int]       # the step last.pt holds (None: not written yet)
+    t_start: float = 0.0            # wall-clock origin: elapsed time counts on across resumes
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def out_dir(self):
+        return Path(self.cfg.out_dir)
+
+    @property
+    def tokens_per_iter(self):
+        return self.accum * self.world_size * self.cfg.batch_size * self.cfg.block_size
+
+
+def start_run(cfg, rank, world_size, device):
+    """Claim the run directory, open the data, build (or restore) the model and optimizer."""
+    cfg = replace(cfg, out_dir=out_dir_of(cfg))
+    if cfg.gradient_accumulation_steps % world_size:
+        raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple "
+                          f"of the number of processes {world_size}")
+    lock = RunLock(cfg.out_dir, rank == 0 and not cfg.eval_only)
+    with lock.held_on_error():
+        ckpt, changed = claim_run_dir(cfg, rank == 0)
+        torch.manual_seed(cfg.seed + rank)
+        dtype, ctx, scaler = precision(cfg, device, rank == 0)
+        ds = open_dataset(cfg)
+        model, iter_num, best_val_loss = build_model(cfg, ckpt, ds)
+        cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})  # GPT-2 weights bring their shape
+        model.to(device)
+        optimizer, elapsed = make_optimizer(cfg, model, ckpt, scaler, device)
+        wrapped = wrap_model(cfg, model, world_size, device)
+        record = RunRecord(cfg.out_dir, rank == 0 and not cfg.eval_only, resume_step=iter_num if cfg.resume else None)
+    run = Run(cfg, rank, world_size, device, wrapped, model, optimizer, scaler, ctx, ds, record, lock, iter_num,
+              best_val_loss, cfg.gradient_accumulation_steps // world_size, iter_num if cfg.resume else None)
+    run.t_start = time.time() - elapsed
+    if run.master and not cfg.eval_only:
+        record.write_config(cfg, model, ds.meta, world_size, device, dtype)
+        if changed:
+            record.log(kind="resume", step=iter_num, changed={k: list(v) for k, v in changed.items()})
+        print(f"{cfg.residual}: {model.get_num_params():,} parameters, {run.tokens_per_iter:,} tokens per step, "
+              f"{device} {dtype}{' compiled' if use_compile(cfg, device) else ''}, run directory {cfg.out_dir}")
+    return run
+
+
+def claim_run_dir(cfg, master):
+    """The resume checkpoint (or None) and the settings a resume changes; refuses to start a fresh run over
+    an existing one unless --overwrite, which then deletes the old checkpoints and metrics."""
+    out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "last.pt"
+    if cfg.resume:
+        ckpt = load_checkpoint(ckpt_path)
+        changed = {k: (v, getattr(cfg, k)) for k, v in ckpt["config"].items()
+                   if hasattr(cfg, k) and getattr(cfg, k) != v and k != "resume"}
+        if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
+            raise ConfigError(f"the run in {out_dir} has already reached --max-iters {cfg.max_iters} (it is at step "
+                              f"{ckpt['iter_num']}); raise --max-iters to train it further")
+        if master and changed:
+            print("resuming with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        return ckpt, changed
+    if cfg.eval_only:
+        return None, {}
+    existing = [f for f in ("last.pt", "best.pt", "metrics.jsonl") if (out_dir / f).exists()]
+    if existing and not cfg.overwrite:
+        raise ConfigError(f"{out_dir} already holds a run ({', '.join(existing)}); pass --resume to continue it, "
+                          f"--overwrite to start over (deleting it), or another --out-dir")
+    init = Path(cfg.init_from)
+    if cfg.overwrite and init.exists() and init.resolve().parent == out_dir.resolve():
+        raise ConfigError(f"--init-from {cfg.init_from} is inside {out_dir}, which --overwrite would clear; "
+                          f"copy it elsewhere first or choose another --out-dir")
+    if cfg.overwrite and master:  # the old run's files must not be resumed or read by mistake
+        for old in ("last.pt", "best.pt", "metrics.jsonl", "config.json"):
+            (out_dir / old).unlink(missing_ok=True)
+    return None, {}
+
 
 def pick_device(cfg):
+    """The device the run asks for; auto is CUDA, then MPS, then the CPU."""
     if cfg.device != "auto":
-        device = torch.device(cfg.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {cfg.device} asks for CUDA, which this machine does not have; use --device cpu")
-        if device.type == "mps" and not torch.backends.mps.is_available():
-            raise ValueError(f"--device {cfg.device} asks for MPS, which this machine does not have; use --device cpu")
-        return device
+        return checked_device(cfg.device)
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
@@ -402,41 +624,324 @@ def pick_device(cfg):
     return torch.device("cpu")
 
 
-def pick_dtype(cfg, device):
-    if cfg.dtype != "auto":
-        return cfg.dtype
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "float32"
-
-
-def keep_freed_memory():
-    """Have the C library's malloc keep freed memory for the next step instead of handing it back to the OS.
-
-    By default glibc serves large blocks with mmap and unmaps them when freed, and trims free memory at
-    the top of its heap; each training step on the CPU then page-faults its activations and gradients
-    back in, and the kernel zeroes every page: a large share of a step on a small CPU, and a larger one
-    for the routed modes, whose reads and gradients are more blocks of the same sizes (README, Speed).
-    With mmap off and trimming at 2 GiB, freed memory is reused as PyTorch's CUDA caching allocator
-    reuses it, and the process keeps its peak size. Process-wide, for CPU training and the benchmark;
-    glibc (Linux) only. Returns whether it took effect."""
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters, from glibc's malloc.h
+def checked_device(name):
+    """torch.device(name), refused in one line when this machine does not have it."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):  # no C library to ask, or one without mallopt
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is unknown; choose auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name} asks for CUDA, which this machine does not have; use --device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {name} asks for MPS, which this machine does not have; use --device cpu")
+    return device
 
 
-def git_commit():
-    try:
-        here = Path(__file__).resolve().parent
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
+def precision(cfg, device, master):
+    """(dtype name, autocast context, gradient scaler): bfloat16 or float16 autocast on CUDA, float32 on the
+    CPU and MPS unless asked; the scaler does nothing unless float16."""
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "float32" if device.type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if dtype != "float32" and device.type == "cpu" and master:
+        print(f"warning: --dtype {dtype} on the CPU runs about 16x slower than float32; it is allowed, but "
+              f"use --dtype float32 (the CPU default) unless you are testing mixed precision", file=sys.stderr)
+    torch.backends.cuda.matmul.allow_tf32 = True # allow tf32 on matmul
+    torch.backends.cudnn.allow_tf32 = True # allow tf32 on cudnn
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+    ctx = contextlib.nullcontext() if dtype == "float32" else torch.autocast(device_type=device.type, dtype=ptdtype)
+    return dtype, ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
+
+
+def build_model(cfg, ckpt, ds):
+    """The model to train, with the step to start at and the best val loss so far: from the resume
+    checkpoint, from scratch, from GPT-2 weights, or from a (baseline) checkpoint with zero-init routing."""
+    meta = ds.meta
+    if ckpt is not None:
+        wanted = asdict(model_config(cfg, ckpt["model_config"]["vocab_size"]))
+        diff = arch_diff(ckpt["model_config"], wanted)
+        if diff:
+            raise ConfigError(f"cannot resume {cfg.out_dir}/last.pt with a different architecture: {'; '.join(diff)}")
+        check_tokenizer(ckpt, meta, f"{cfg.out_dir}/last.pt")
+        model = model_from_checkpoint(ckpt, dropout=cfg.dropout, fast_routing=cfg.fast_routing)
+        return model, ckpt["iter_num"], ckpt["best_val_loss"]
+    route = {k: getattr(cfg, k) for k in ROUTE_FIELDS + ("dropout", "fast_routing")}
+    if cfg.init_from == "scratch":
+        vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's padded to a multiple of 64
+        model = GPT(model_config(cfg, vocab_size))
+    elif cfg.init_from in GPT2_MODELS:
+        if ds.tokenizer.name != "gpt2":
+            raise ConfigError(f"--init-from {cfg.init_from} needs a GPT-2 BPE dataset; {cfg.dataset} is {ds.tokenizer.name}")
+        try:
+            model = GPT.from_pretrained(cfg.init_from, route)
+        except ValueError as e:  # no transformers package, or no network
+            raise ConfigError(str(e)) from None
+        if cfg.block_size < model.config.block_size:
+            model.crop_block_size(cfg.block_size)
+    else:
+        src = load_checkpoint(cfg.init_from)
+        check_tokenizer(src, meta, cfg.init_from)
+        wanted = asdict(model_config(cfg, src["model_config"]["vocab_size"]))
+        diff = arch_diff(src["model_config"], wanted, [k for k in ARCH_FIELDS if k not in ROUTE_FIELDS])
+        if diff:
+            raise ConfigError(f"--init-from {cfg.init_from} has a different architecture: {'; '.join(diff)}")
+        model = model_from_checkpoint(src, **route)
+    return model, 0, float("inf")
+
+
+def make_optimizer(cfg, model, ckpt, scaler, device):
+    """AdamW (the model's three groups), restored from the resume checkpoint with this run's settings;
+    returns it with the wall time the run had already trained."""
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):  # nanoGPT's parameter counts
+        optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                               device.type, route_lr_mult=cfg.route_lr_mult)
+    if ckpt is None:
+        return optimizer, 0.0
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for group in optimizer.param_groups:  # this run's settings, not the saved ones
+        group.update(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay if group["name"] == "decay" else 0.0,
+                     lr_mult=cfg.route_lr_mult if group["name"] == "routing" else 1.0)
+    if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
+        scaler.load_state_dict(ckpt["scaler"])
+    restore_rng(ckpt["rng"])
+    return optimizer, ckpt.get("elapsed", 0.0)
+
+
+def use_compile(cfg, device):
+    return cfg.compile if cfg.compile is not None else device.type == "cuda"
+
+
+def wrap_model(cfg, model, world_size, device):
+    """What the loop calls: the model, compiled (default on CUDA) and wrapped for DDP over several processes."""
+    if use_compile(cfg, device):
+        model = torch.compile(model)
+    if world_size > 1:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# the run: the loop
+
+def train_loop(run):
+    """Evaluate and checkpoint when due, then one optimizer step, until max_iters or a signal."""
+    cfg = run.cfg
+    bar = Progress(run)
+    with StopFlag() as stop:
+        while True:
+            final = run.iter_num >= cfg.max_iters
+            evaluate_and_checkpoint(run, final, bar)
+            if final:
+                break
+            lr = get_lr(run.iter_num, cfg)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr * group["lr_mult"]
+            t0 = time.time()
+            loss = train_step(run, stop)
+            if loss is None:  # a signal: this step's gradients are dropped; resuming redoes it
+                return stopped(run, bar)
+            run.iter_num += 1
+            bar.step(loss, lr, time.time() - t0)
+    bar.close()
+    return dict(val_loss=bar.val_loss, best_val_loss=run.best_val_loss, train_loss=bar.loss, iter_num=run.iter_num,
+                elapsed=time.time() - run.t_start, tokens_per_s=bar.tok_s, out_dir=cfg.out_dir,
+                params=run.raw_model.get_num_params())
+
+
+def train_step(run, stop):
+    """One optimizer step: accum micro-steps per rank, gradients synced on the last one only. Returns the
+    mean loss over micro-steps and ranks, or None when any rank was signalled to stop (nothing applied)."""
+    cfg, model = run.cfg, run.model
+    torch.manual_seed(derive_seed(cfg.seed, 2, run.iter_num, run.rank))  # dropout: exact on resume, any world size
+    loss_sum = torch.zeros((), device=run.device)
+    # the step's global batch; rank r's micro-step m takes its slice r * accum + m
+    starts = batch_starts(run.ds.train, cfg.block_size, cfg.batch_size * run.accum * run.world_size,
+                          (cfg.seed, 0, run.iter_num))
+    for micro in range(run.accum):
+        part = (run.rank * run.accum + micro) * cfg.batch_size
+        X, Y = get_batch(run.ds.train, cfg.block_size, starts[part:part + cfg.batch_size], run.device)
+        last = micro == run.accum - 1
+        with (model.no_sync() if run.world_size > 1 and not last else contextlib.nullcontext()):
+            with run.ctx:
+                _, loss = model(X, Y)
+            loss_sum += loss.detach()
+            run.scaler.scale(loss / run.accum).backward()
+    stats = torch.stack([loss_sum / run.accum, torch.tensor(float(stop.signal is not None), device=run.device)])
+    if run.world_size > 1:
+        torch.distributed.all_reduce(stats)
+        stats[0] /= run.world_size
+    step_loss, stop_now = stats[0].item(), stats[1].item() > 0
+    if stop_now:
+        run.optimizer.zero_grad(set_to_none=True)
         return None
+    apply_gradients(run, step_loss)
+    return step_loss
+
+
+def apply_gradients(run, step_loss):
+    """Clip and apply the step's gradients, refusing a non-finite loss or gradient before it lands."""
+    kept = (f"{run.out_dir / 'last.pt'} still holds step {run.saved_step}" if run.saved_step is not None
+            else "no checkpoint was written yet")
+    if not math.isfinite(step_loss):
+        raise TrainError(f"loss is {step_loss} at step {run.iter_num}; stopped without applying it, {kept} "
+                         f"(lower --learning-rate or check the data)")
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip or float("inf")).item()
+    if not math.isfinite(grad_norm) and not run.scaler.is_enabled():  # fp16's scaler skips such steps itself
+        raise TrainError(f"gradient norm is {grad_norm} at step {run.iter_num} (loss {step_loss:.4f}); stopped "
+                         f"without applying it, {kept} (lower --learning-rate or check the data)")
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def evaluate(run):
+    """Mean loss over the fixed eval batches of each split, and routing statistics on the first val batch."""
+    cfg = run.cfg
+    out = {split: estimate_loss(run.raw_model, run.ds, split, cfg.eval_iters, cfg.batch_size, run.ctx)
+           for split in ("train", "val")}
+    if cfg.residual != "baseline":
+        out["routing"] = routing_stats(run.raw_model, run.ds, 1, cfg.batch_size, run.ctx)
+    return out
+
+
+def evaluate_and_checkpoint(run, final, bar):
+    """Every eval_interval steps (and at the end): evaluate, log, keep best.pt; every ckpt_interval: last.pt."""
+    cfg = run.cfg
+    fresh = run.iter_num > run.record.start_step or not cfg.resume  # a checkpoint's step was evaluated before it was saved
+    if run.master and fresh and (run.iter_num % cfg.eval_interval == 0 or final):
+        losses = evaluate(run)
+        bar.val_loss = losses["val"]
+        run.record.log(kind="eval", step=run.iter_num, train_loss=losses["train"], val_loss=losses["val"],
+                       elapsed=time.time() - run.t_start, routing=losses.get("routing"))
+        bar.write(f"step {run.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                  + (f", routing max weight {losses['routing']['mean_max_weight']:.3f}" if "routing" in losses else ""))
+        if losses["val"] < run.best_val_loss:
+            run.best_val_loss = losses["val"]
+            if run.iter_num > 0:
+                checkpoint(run, run.out_dir / "best.pt")
+    due = run.iter_num % cfg.ckpt_interval == 0 or final
+    if run.master and (due and run.iter_num > run.record.start_step or final and run.saved_step is None):
+        checkpoint(run, run.out_dir / "last.pt")
+        run.saved_step = run.iter_num
+
+
+def checkpoint(run, path):
+    """Write the run's state at its current step to `path` (atomically)."""
+    cfg = run.cfg
+    save_checkpoint(checkpoint_dict(run.raw_model.state_dict(), run.raw_model.config, asdict(cfg), run.iter_num,
+                                    run.best_val_loss, dataset_info(run.ds.meta, cfg.dataset),
+                                    optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
+                                    rng=rng_state(), elapsed=time.time() - run.t_start, commit=run.record.commit), path)
+
+
+def stopped(run, bar):
+    """A signal arrived: write last.pt at the current step (the step in flight is redone on resume) and exit."""
+    ckpt_path = run.out_dir / "last.pt"
+    if run.master:
+        checkpoint(run, ckpt_path)
+    bar.close()
+    message = f"stopped by signal at step {run.iter_num}; checkpoint {ckpt_path} written (continue with --resume)"
+    if run.master:
+        print(message)
+    raise KeyboardInterrupt(message)
+
+
+def evaluate_once(run):
+    """--eval-only: the losses of the loaded model, nothing written."""
+    losses = evaluate(run) if run.master else {}
+    if run.master:
+        print(f"step {run.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    return dict(val_loss=losses.get("val"), train_loss=losses.get("train"), iter_num=run.iter_num)
+
+
+class Progress:
+    """The progress of the loop: a tqdm bar on a terminal; without one (a log file), a plain line every
+    log_interval steps. It also writes the train rows of metrics.jsonl and keeps the last figures."""
+
+    def __init__(self, run):
+        self.run, cfg = run, run.cfg
+        show = run.master and cfg.progress
+        self.terminal = show and sys.stderr.isatty()
+        self.lines = show and not self.terminal
+        self.bar = tqdm(total=cfg.max_iters, initial=run.iter_num, disable=not self.terminal, dynamic_ncols=True,
+                        desc=cfg.residual)
+        self.loss, self.val_loss, self.tok_s = float("nan"), None, None
+
+    def step(self, loss, lr, dt):
+        run = self.run
+        self.loss, self.tok_s = loss, run.tokens_per_iter / dt
+        if not run.master:
+            return
+        mfu = run.raw_model.estimate_mfu(run.cfg.batch_size * run.accum, dt, run.device)
+        postfix = dict(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{self.tok_s:,.0f}")
+        if mfu is not None:
+            postfix["mfu"] = f"{mfu * 100:.1f}%"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+        if run.iter_num % run.cfg.log_interval == 0:
+            run.record.log(kind="train", step=run.iter_num, train_loss=loss, lr=lr, tokens_per_s=self.tok_s,
+                           elapsed=time.time() - run.t_start, **({"mfu": mfu} if mfu is not None else {}))
+            if self.lines:
+                print(f"step {run.iter_num}/{run.cfg.max_iters}: " + ", ".join(f"{k} {v}" for k, v in postfix.items()),
+                      flush=True)
+
+    def write(self, line):
+        self.bar.write(line)
+
+    def close(self):
+        self.bar.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# the run: its directory, signals, random state, process-wide settings
+
+class RunLock:
+    """An OS lock on out_dir/run.lock for the whole run, so two trainings never write one run directory.
+    The kernel drops it when the process ends, however it ends: a killed run leaves no stale lock."""
+
+    def __init__(self, out_dir, active):
+        self.path, self.file = Path(out_dir) / "run.lock", None
+        if not active:
+            return
+        try:
+            import fcntl
+        except ImportError:  # not a POSIX system: no lock
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "unknown"
+            self.release()
+            raise TrainError(f"{out_dir} is in use by another training run (process {holder}); wait for it to "
+                             f"finish, stop it, or choose another --out-dir") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"{os.getpid()}\n")
+        self.file.flush()
+
+    @contextlib.contextmanager
+    def held_on_error(self):
+        """Release the lock if setting up the run fails."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self):
+        if self.file is not None:
+            self.file.close()  # closing drops the flock
+            self.file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 class StopFlag:
@@ -447,8 +952,9 @@ class StopFlag:
         self.signal = None
 
     def __enter__(self):
+        import threading
         self.previous = {}
-        if threading_main():
+        if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self.handle)
         return self
@@ -460,278 +966,6 @@ class StopFlag:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-
-
-def threading_main():
-    import threading
-    return threading.current_thread() is threading.main_thread()
-
-
-def train(cfg):
-    """Run training as configured; returns a summary dict (rank 0) with the final losses and timings.
-    Raises ValueError / DataError for bad input and TrainError when the run cannot go on."""
-    check_config(cfg)
-    ddp = int(os.environ.get("RANK", -1)) != -1 # is this a ddp run?
-    if ddp:
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        device = pick_device(cfg)
-        if device.type == "cuda":  # one GPU per process
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        if rank == 0:
-            open_dataset(cfg)  # prepares the default dataset once, before the other ranks read it
-        torch.distributed.barrier()
-    else:
-        rank, world_size, device = 0, 1, pick_device(cfg)
-    try:
-        return _train(cfg, rank, world_size, device)
-    finally:
-        if ddp:
-            destroy_process_group()
-
-
-def _train(cfg, rank, world_size, device):
-    master = rank == 0 # this process will do logging, checkpointing etc.
-    out_dir = Path(out_dir_of(cfg))
-    cfg = replace(cfg, out_dir=str(out_dir))
-    ckpt_path = out_dir / "last.pt"
-    ckpt = None
-    if cfg.resume:
-        ckpt = load_checkpoint(ckpt_path, map_location=device)
-        changed = {k: (v, getattr(cfg, k)) for k, v in ckpt["config"].items()
-                   if hasattr(cfg, k) and getattr(cfg, k) != v and k != "resume"}
-        if master and changed:
-            print("resuming with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
-    elif ckpt_path.exists() and not cfg.overwrite and not cfg.eval_only:
-        raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it, --overwrite to start "
-                         f"over, or another --out-dir")
-    elif cfg.overwrite and master and not cfg.eval_only:  # the old run's checkpoints must not be resumed by mistake
-        for old in ("last.pt", "best.pt"):
-            (out_dir / old).unlink(missing_ok=True)
-    if cfg.gradient_accumulation_steps % world_size:
-        raise ValueError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple "
-                         f"of the number of processes {world_size}")
-    accum = cfg.gradient_accumulation_steps // world_size  # micro-steps per rank
-    tokens_per_iter = accum * world_size * cfg.batch_size * cfg.block_size
-    torch.manual_seed(cfg.seed + rank)
-    if device.type == "cpu":
-        keep_freed_memory()  # no page faults on every step's fresh activations
-    torch.backends.cuda.matmul.allow_tf32 = True # allow tf32 on matmul
-    torch.backends.cudnn.allow_tf32 = True # allow tf32 on cudnn
-    dtype = pick_dtype(cfg, device)
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-    ctx = contextlib.nullcontext() if dtype == "float32" else torch.autocast(device_type=device.type, dtype=ptdtype)
-
-    ds = open_dataset(cfg)
-    meta = ds.meta
-
-    model, iter_num, best_val_loss = build_model(cfg, ckpt, ds)
-    # the config records the model actually built (GPT-2 weights bring their own shape)
-    cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})
-    model.to(device)
-
-    # optimizer and gradient scaler (a no-op unless float16)
-    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
-    optimizer = quiet(model.configure_optimizers, cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                      device.type, route_lr_mult=cfg.route_lr_mult)
-    elapsed = 0.0
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for group in optimizer.param_groups:  # this run's settings, not the saved ones
-            group.update(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay if group["name"] == "decay" else 0.0,
-                         lr_mult=cfg.route_lr_mult if group["name"] == "routing" else 1.0)
-        if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
-            scaler.load_state_dict(ckpt["scaler"])
-        restore_rng(ckpt["rng"])
-        elapsed = ckpt.get("elapsed", 0.0)
-    ckpt = None # free up memory
-
-    raw_model = model
-    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    if use_compile:
-        model = torch.compile(model)
-    if world_size > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    record = RunRecord(out_dir, master and not cfg.eval_only, resume_step=iter_num if cfg.resume else None)
-    if master and not cfg.eval_only:
-        record.write_config(cfg, raw_model, meta, world_size, device, dtype)
-        if cfg.resume and changed:
-            record.log(kind="resume", step=iter_num, changed={k: list(v) for k, v in changed.items()})
-        print(f"{cfg.residual}: {raw_model.get_num_params():,} parameters, {tokens_per_iter:,} tokens per step, "
-              f"{device} {dtype}{' compiled' if use_compile else ''}, run directory {out_dir}")
-
-    def evaluate():
-        """Mean loss over the fixed eval batches of each split, and routing statistics on the first val batch."""
-        out = {split: estimate_loss(raw_model, ds, split, cfg.eval_iters, cfg.batch_size, ctx)
-               for split in ("train", "val")}
-        if cfg.residual != "baseline":
-            out["routing"] = routing_stats(raw_model, ds, 1, cfg.batch_size, ctx)
-        return out
-
-    saved_step = iter_num if cfg.resume else None  # the step last.pt holds, for messages
-
-    def checkpoint(path, step):
-        save_checkpoint(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                             model_config=asdict(raw_model.config), config=asdict(cfg), iter_num=step,
-                             best_val_loss=best_val_loss, rng=rng_state(), dataset=dataset_info(meta, cfg.dataset),
-                             elapsed=elapsed + time.time() - t_start, commit=record.commit), path)
-
-    t_start = time.time() - elapsed  # wall time counts on across resumes
-    if cfg.eval_only:
-        losses = evaluate() if master else {}
-        if master:
-            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        return dict(val_loss=losses.get("val"), train_loss=losses.get("train"), iter_num=iter_num)
-
-    model.train()
-    bar = tqdm(total=cfg.max_iters, initial=iter_num, disable=not (master and cfg.progress), dynamic_ncols=True,
-               desc=cfg.residual)
-    t_last, last_loss, tok_s, stopped = time.time(), float("nan"), None, None
-    val_loss = None
-    with StopFlag() as stop:
-        while True:
-            # evaluate, keep the best and the latest checkpoints
-            final = iter_num >= cfg.max_iters
-            fresh = iter_num > record.start_step or not cfg.resume  # a checkpoint's step was evaluated before it was saved
-            if master and fresh and (iter_num % cfg.eval_interval == 0 or final):
-                losses = evaluate()
-                val_loss = losses["val"]
-                record.log(kind="eval", step=iter_num, train_loss=losses["train"], val_loss=losses["val"],
-                           elapsed=time.time() - t_start, routing=losses.get("routing"))
-                bar.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-                          + (f", routing max weight {losses['routing']['mean_max_weight']:.3f}" if "routing" in losses else ""))
-                if losses["val"] < best_val_loss:
-                    best_val_loss = losses["val"]
-                    if iter_num > 0:
-                        checkpoint(out_dir / "best.pt", iter_num)
-            due = iter_num % cfg.ckpt_interval == 0 or final
-            if master and (due and iter_num > record.start_step or final and saved_step is None):
-                checkpoint(ckpt_path, iter_num)
-                saved_step = iter_num
-            if final:
-                break
-
-            # one optimizer step: accum micro-steps per rank, gradients synced on the last one only
-            lr = get_lr(iter_num, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_mult"]
-            torch.manual_seed(derive_seed(cfg.seed, 2, iter_num, rank))  # dropout: exact on resume, any world size
-            loss_sum = torch.zeros((), device=device)
-            # the step's global batch; rank r's micro-step m takes its slice r * accum + m
-            starts = batch_starts(ds.train, cfg.block_size, cfg.batch_size * accum * world_size, (cfg.seed, 0, iter_num))
-            for micro in range(accum):
-                part = (rank * accum + micro) * cfg.batch_size
-                X, Y = get_batch(ds.train, cfg.block_size, starts[part:part + cfg.batch_size], device)
-                sync = contextlib.nullcontext() if world_size == 1 or micro == accum - 1 else model.no_sync()
-                with sync:
-                    with ctx:
-                        _, loss = model(X, Y)
-                    loss_sum += loss.detach()
-                    scaler.scale(loss / accum).backward()
-            # the mean loss over micro-steps and ranks, and whether any rank was signalled to stop
-            stats = torch.stack([loss_sum / accum, torch.tensor(float(stop.signal is not None), device=device)])
-            if world_size > 1:
-                torch.distributed.all_reduce(stats)
-                stats[0] /= world_size
-            step_loss, stop_now = stats[0].item(), stats[1].item() > 0
-            if stop_now:  # this step's gradients are dropped: the checkpoint resumes by redoing it
-                optimizer.zero_grad(set_to_none=True)
-                if master:
-                    checkpoint(ckpt_path, iter_num)
-                stopped = f"stopped by signal at step {iter_num}; checkpoint {ckpt_path} written (continue with --resume)"
-                break
-            kept = (f"{ckpt_path} still holds step {saved_step}" if saved_step is not None
-                    else "no checkpoint was written yet")
-            if not math.isfinite(step_loss):
-                raise TrainError(f"loss is {step_loss} at step {iter_num}; stopped without applying it, {kept} "
-                                 f"(lower --learning-rate or check the data)")
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf")).item()
-            if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps itself
-                raise TrainError(f"gradient norm is {grad_norm} at step {iter_num} (loss {step_loss:.4f}); stopped "
-                                 f"without applying it, {kept} (lower --learning-rate or check the data)")
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-
-            # timing and logging
-            iter_num += 1
-            t_now = time.time()
-            dt, t_last = t_now - t_last, t_now
-            tok_s, last_loss = tokens_per_iter / dt, step_loss
-            if master:
-                mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, device)
-                postfix = dict(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
-                if mfu is not None:
-                    postfix["mfu"] = f"{mfu * 100:.1f}%"
-                bar.set_postfix(postfix, refresh=False)
-                bar.update(1)
-                if iter_num % cfg.log_interval == 0:
-                    record.log(kind="train", step=iter_num, train_loss=step_loss, lr=lr, tokens_per_s=tok_s,
-                               elapsed=t_now - t_start, **({"mfu": mfu} if mfu is not None else {}))
-    bar.close()
-    if stopped:
-        if master:
-            print(stopped)
-        raise KeyboardInterrupt(stopped)
-    return dict(val_loss=val_loss, best_val_loss=best_val_loss, train_loss=last_loss, iter_num=iter_num,
-                elapsed=time.time() - t_start, tokens_per_s=tok_s, out_dir=str(out_dir),
-                params=raw_model.get_num_params())
-
-
-def build_model(cfg, ckpt, ds):
-    """The model to train, with the step to start at and the best val loss so far: from the resume
-    checkpoint, from scratch, from GPT-2 weights, or from a (baseline) checkpoint with zero-init routing."""
-    meta = ds.meta
-    if ckpt is not None:
-        wanted = asdict(model_config(cfg, ckpt["model_config"]["vocab_size"]))
-        diff = arch_diff(ckpt["model_config"], wanted)
-        if diff:
-            raise ValueError(f"cannot resume {cfg.out_dir}/last.pt with a different architecture: {'; '.join(diff)}")
-        check_tokenizer(ckpt, meta, f"{cfg.out_dir}/last.pt")
-        return model_from_checkpoint(ckpt, dropout=cfg.dropout), ckpt["iter_num"], ckpt["best_val_loss"]
-    route = {k: getattr(cfg, k) for k in ROUTE_FIELDS + ("dropout",)}
-    if cfg.init_from == "scratch":
-        vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's padded to a multiple of 64
-        model = GPT(model_config(cfg, vocab_size))
-    elif cfg.init_from in GPT2_MODELS:
-        if ds.tokenizer.name != "gpt2":
-            raise ValueError(f"--init-from {cfg.init_from} needs a GPT-2 BPE dataset; {cfg.dataset} is {ds.tokenizer.name}")
-        model = GPT.from_pretrained(cfg.init_from, route)
-        if cfg.block_size < model.config.block_size:
-            model.crop_block_size(cfg.block_size)
-    else:
-        src = load_checkpoint(cfg.init_from)
-        check_tokenizer(src, meta, cfg.init_from)
-        wanted = asdict(model_config(cfg, src["model_config"]["vocab_size"]))
-        diff = arch_diff(src["model_config"], wanted, [k for k in ARCH_FIELDS if k not in ROUTE_FIELDS])
-        if diff:
-            raise ValueError(f"--init-from {cfg.init_from} has a different architecture: {'; '.join(diff)}")
-        model = model_from_checkpoint(src, **route)
-    return model, 0, float("inf")
-
-
-def quiet(fn, *args, **kwargs):
-    """Call fn with its stdout swallowed (configure_optimizers prints nanoGPT's parameter counts)."""
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
-        return fn(*args, **kwargs)
-
-
-def check_tokenizer(ckpt, meta, path):
-    """A checkpoint's dataset tokenizer must match the run's dataset (same ids for the same text)."""
-    saved = ckpt.get("dataset") or {}
-    if saved.get("tokenizer") != meta.get("tokenizer") or saved.get("chars") != meta.get("chars"):
-        raise ValueError(f"{path} was trained with a different tokenizer or vocabulary ({saved.get('name')}, "
-                         f"{saved.get('tokenizer')}) than this dataset ({meta.get('tokenizer')}); "
-                         f"use a dataset with the same tokenizer")
-
-
-def dataset_info(meta, name):
-    """What sample and report need to decode without the dataset: name, tokenizer, vocabulary."""
-    return dict(name=name, tokenizer=meta.get("tokenizer"), vocab_size=meta.get("vocab_size"), chars=meta.get("chars"))
 
 
 def rng_state():
@@ -795,15 +1029,74 @@ def read_metrics(out_dir):
     return [row for l in path.read_text().splitlines() if (row := parse_row(l))] if path.exists() else []
 
 
+def git_commit():
+    try:
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def keep_freed_memory():
+    """Have the C library's malloc keep freed memory for the next step instead of handing it back to the OS.
+
+    By default glibc serves large blocks with mmap and unmaps them when freed, and trims free memory at
+    the top of its heap; each training step on the CPU then page-faults its activations and gradients
+    back in, and the kernel zeroes every page: a large share of a step on a small CPU, and a larger one
+    for the routed modes, whose reads and gradients are more blocks of the same sizes (docs/speed.md).
+    With mmap off and trimming at 2 GiB, freed memory is reused as PyTorch's CUDA caching allocator
+    reuses it, and the process keeps its peak size. Process-wide: only entry points call it; glibc
+    (Linux) only. Returns whether it took effect."""
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters, from glibc's malloc.h
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):  # no C library to ask, or one without mallopt
+        return False
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def busy_cores(seconds=0.25):
+    """How many CPU cores other work keeps busy now, from /proc/stat over `seconds` (0 where unknown)."""
+    def sample():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
+    try:
+        (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
+    except (OSError, ValueError, IndexError):
+        return 0
+    return round((1 - (i1 - i0) / max(1, t1 - t0)) * (os.cpu_count() or 1))
+
+
+def apply_process_settings(cfg):
+    """What only an entry point may set, since it holds for the whole process: torch's thread count (with
+    --threads, or the free cores: on a busy machine two jobs with all threads each run many times slower)
+    and, for CPU training, malloc keeping freed memory (--keep-freed-memory, the default)."""
+    on_cpu = pick_device(cfg).type == "cpu"
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    elif on_cpu and int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        cores, busy = torch.get_num_threads(), busy_cores()
+        if busy and cores > 1:
+            torch.set_num_threads(max(1, cores - busy))
+            print(f"note: {busy} of {cores} cores are busy; training with {torch.get_num_threads()} thread(s) "
+                  f"(--threads N to choose)", file=sys.stderr)
+    if on_cpu and cfg.keep_freed_memory:
+        keep_freed_memory()
+
+
 def main(argv=None):
     """Parse options, train, and turn bad input into one line and exit status 1 (130 when interrupted)."""
     try:
-        preset, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-        cfg = resume_config(preset, **overrides) if overrides.get("resume") else make_config(preset, **overrides)
+        cfg = config_from_args(sys.argv[1:] if argv is None else argv)
+        apply_process_settings(cfg)
         train(cfg)
     except KeyboardInterrupt:
         sys.exit(130)
-    except (ValueError, FileNotFoundError, TrainError) as e:
+    except DeltaGPTError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 
