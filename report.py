@@ -105,7 +105,7 @@ def mean_std(xs):
     xs = [x for x in xs if x is not None]
     if not xs:
         return None, None
-    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else None  # one seed: no spread
 
 
 def compare_rows(runs):

@@ -227,3 +227,63 @@ def test_quick_start_make_train(tmp_path):
     assert "prepared" in r.stdout and "done: val loss" in r.stdout and "---------------" in r.stdout
     assert "max weight, deeper half" in r.stdout
     assert (tmp_path / "run" / "report" / "report.png").exists()
+
+
+# ---------------------------------------------------------------- nothing a user made is replaced
+
+def test_convert_never_writes_over_its_input_and_asks_before_replacing(runs, tmp_path):
+    base = runs / "baseline" / "last.pt"
+    before = base.read_bytes()
+    refused("is the input checkpoint itself", "convert", "--ckpt", base, "--residual", "delta", "--out", base)
+    refused("is the input checkpoint itself", "convert", "--ckpt", base, "--residual", "delta", "--out", base, "--force")
+    assert base.read_bytes() == before
+    other = tmp_path / "other.pt"
+    other.write_bytes(b"mine")
+    refused("already exists; pass --force", "convert", "--ckpt", base, "--residual", "delta", "--out", other)
+    assert other.read_bytes() == b"mine"
+    ok("convert", "--ckpt", base, "--residual", "delta", "--out", other, "--force", "--eval-iters", 1)
+    assert T.load_checkpoint(other)["model_config"]["residual"] == "delta"
+
+
+def test_compare_refuses_finished_runs_with_other_settings(tiny_data, tmp_path):
+    args = ["compare", "--residual", "baseline", "--seeds", "1", "--out", tmp_path / "cmp",
+            "--dataset", "tiny", "--data-dir", tiny_data, "--eval-interval", 2, *TINY]
+    ok(*args, "--max-iters", 4)
+    refused("holds a run with other settings: max_iters (4 in the run, 2 asked)", *args, "--max-iters", 2)
+    refused("n_embd (32 in the run, 64 asked)", *args, "--max-iters", 4, "--n-embd", 64)
+    out = ok(*args, "--max-iters", 2, "--overwrite")
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["runs"]["baseline"][0]["val_loss"]
+    assert T.load_checkpoint(tmp_path / "cmp" / "baseline-s1" / "last.pt")["iter_num"] == 2
+    assert "| baseline | 1 |" in out and "± -" in out  # one seed: no spread to show
+
+
+def test_report_checks_every_checkpoint_before_computing(runs, tmp_path, monkeypatch):
+    monkeypatch.setattr(T, "routing_stats", lambda *a, **k: pytest.fail("computed before checking"))
+    refused("is a baseline model", "report", "--ckpt", runs / "delta" / "last.pt", "--ckpt",
+            runs / "baseline" / "last.pt", "--out", tmp_path / "r")
+
+
+def test_report_keeps_an_existing_report_unless_forced(runs, tmp_path):
+    ckpt = runs / "delta" / "last.pt"
+    ok("report", "--ckpt", ckpt, "--out", tmp_path / "r", "--batches", 1)
+    refused("already holds a report; pass --force", "report", "--ckpt", ckpt, "--out", tmp_path / "r")
+    ok("report", "--ckpt", ckpt, "--out", tmp_path / "r", "--batches", 1, "--force")
+
+
+def test_commands_without_cuda_say_so_like_train(runs):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    ckpt = runs / "delta" / "last.pt"
+    for command in (["sample", "--ckpt", ckpt], ["eval", "--ckpt", ckpt]):
+        refused("asks for CUDA, which this machine does not have; use --device cpu", *command, "--device", "cuda")
+    refused("asks for CUDA, which this machine does not have; use --device cpu", "train", "--device", "cuda")
+
+
+def test_a_folder_given_as_checkpoint_says_so(runs):
+    refused("is a folder, not a checkpoint file", "sample", "--ckpt", runs / "delta")
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named(runs, tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    refused("latin1.txt is not UTF-8 text", "sample", "--ckpt", runs / "delta" / "last.pt", "--prompt-file",
+            tmp_path / "latin1.txt")

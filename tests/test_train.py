@@ -487,3 +487,82 @@ def test_init_from_gpt2_takes_the_models_shape(tmp_path, monkeypatch):
     with pytest.raises(T.TrainError, match="gpt2_run.pt does not exist"):  # a path, not a model name
         T.train(T.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "r3"),
                               init_from=str(tmp_path / "gpt2_run.pt"), block_size=16, progress=False))
+
+
+# ---------------------------------------------------------------- nothing a user made is replaced
+
+def test_a_second_training_into_a_busy_run_directory_is_refused(tiny_data, tmp_path):
+    holder = T.RunLock(tmp_path / "run", active=True)
+    try:
+        with pytest.raises(T.TrainError, match=f"in use by another training run \\(process {os.getpid()}\\)"):
+            T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
+    finally:
+        holder.release()
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))  # free again once released
+
+
+def test_a_killed_run_leaves_no_stale_lock(tiny_data, tmp_path):
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import train; "
+            "lock = train.RunLock(sys.argv[2], True); print('locked', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        with pytest.raises(T.TrainError, match=f"process {p.pid}"):
+            T.RunLock(tmp_path / "run", True)
+    finally:
+        p.kill()
+        p.wait()
+    T.RunLock(tmp_path / "run", True).release()  # the kernel dropped the dead process's lock
+
+
+def test_resume_and_overwrite_together_are_refused(tiny_data, tmp_path):
+    with pytest.raises(T.ConfigError, match="--resume continues the run in out_dir and --overwrite deletes it"):
+        cfg_for(tiny_data, tmp_path / "run", resume=True, overwrite=True)
+
+
+def test_resuming_a_finished_run_says_how_to_continue(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
+    with pytest.raises(T.ConfigError, match="already reached --max-iters 2 .*raise --max-iters"):
+        T.train(T.resume_config(out_dir=str(tmp_path / "run")))
+
+
+def test_overwrite_refuses_an_init_checkpoint_inside_the_run_it_would_clear(tiny_data, tmp_path):
+    T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=2))
+    init = str(tmp_path / "base" / "last.pt")
+    with pytest.raises(T.ConfigError, match="is inside .* which --overwrite would clear"):
+        T.train(cfg_for(tiny_data, tmp_path / "base", residual="delta", init_from=init, overwrite=True))
+    assert T.load_checkpoint(init)["iter_num"] == 2  # the baseline is intact
+
+
+def test_a_run_directory_with_metrics_but_no_checkpoint_is_not_replaced(tiny_data, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    with pytest.raises(T.ConfigError, match="already holds a run \\(metrics.jsonl\\)"):
+        T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
+
+
+def test_half_precision_on_the_cpu_warns_once(tiny_data, tmp_path, capsys):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=1, dtype="bfloat16"))
+    err = capsys.readouterr().err
+    assert err.count("warning: --dtype bfloat16 on the CPU runs about 16x slower than float32") == 1
+
+
+def test_progress_without_a_terminal_prints_plain_lines(tiny_data, tmp_path, capsys):
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=4, log_interval=2, progress=True))
+    out = capsys.readouterr().out
+    assert "step 2/4: loss" in out and "step 4/4: loss" in out and "step 3/4" not in out
+
+
+def test_threads_option_is_a_process_setting_of_the_entry_point(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        T.apply_process_settings(T.make_config("cpu", threads=1, device="cpu"))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setattr(T, "busy_cores", lambda: 1)  # another job holds one core of two
+        T.apply_process_settings(T.make_config("cpu", device="cpu"))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(T.ConfigError, match="--threads must be at least 1"):
+        T.make_config("cpu", threads=0)
