@@ -113,6 +113,8 @@ class TrainConfig:
     compile: Optional[bool] = option(None, "torch.compile the model (default: on for CUDA, off elsewhere)")
     threads: Optional[int] = option(None, "CPU threads for torch (default: the free cores, so a busy machine gets fewer)")
     keep_freed_memory: bool = option(True, "CPU: malloc keeps freed memory for the next step (no page faults each step)")
+    fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the processes with FSDP2")
+    activation_checkpointing: bool = option(False, "recompute each attention and MLP in backward (less activation memory)")
 
 
 def help_of(name):
@@ -206,6 +208,8 @@ def check_config(cfg):
             raise ConfigError(f"--device {cfg.device!r} is unknown; choose auto, cpu, cuda, cuda:N or mps") from None
     if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {cfg.dtype!r} is unknown; choose auto, float32, bfloat16 or float16")
+    if cfg.fsdp:
+        check_fsdp(cfg)
     if cfg.init_from in GPT2_MODELS and cfg.block_size > 1024:
         raise ConfigError(f"--init-from {cfg.init_from} has 1024 positions; use --block-size 1024 or less")
     if cfg.eval_only and not cfg.resume and cfg.init_from == "scratch":
@@ -502,14 +506,19 @@ def train(cfg):
 @contextlib.contextmanager
 def process_group(cfg):
     """(rank, world_size, device): one process, or one of torchrun's (one GPU each on CUDA)."""
-    if int(os.environ.get("RANK", -1)) == -1:
+    torchrun = int(os.environ.get("RANK", -1)) != -1
+    if not torchrun and not cfg.fsdp:
         yield 0, 1, pick_device(cfg)
         return
-    rank, world_size, device = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), pick_device(cfg)
+    rank, world_size, device = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), pick_device(cfg)
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if torchrun:
+        init_process_group(backend=backend)
+    else:  # FSDP in one process: a process group of one, with an in-memory store
+        init_process_group(backend=backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         if rank == 0:
             open_dataset(cfg)  # prepares the default dataset once, before the other ranks read it
@@ -565,10 +574,10 @@ def start_run(cfg, rank, world_size, device):
         torch.manual_seed(cfg.seed + rank)
         dtype, ctx, scaler = precision(cfg, device, rank == 0)
         ds = open_dataset(cfg)
-        model, iter_num, best_val_loss = build_model(cfg, ckpt, ds)
+        build = build_sharded if cfg.fsdp else build_local
+        model, iter_num, best_val_loss = build(cfg, ckpt, ds, rank, device, dtype)
         cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})  # GPT-2 weights bring their shape
-        model.to(device)
-        optimizer, elapsed = make_optimizer(cfg, model, ckpt, scaler, device)
+        optimizer, elapsed = make_optimizer(cfg, model, ckpt, scaler, device, rank)
         wrapped = wrap_model(cfg, model, world_size, device)
         record = RunRecord(cfg.out_dir, rank == 0 and not cfg.eval_only, resume_step=iter_num if cfg.resume else None)
     run = Run(cfg, rank, world_size, device, wrapped, model, optimizer, scaler, ctx, ds, record, lock, iter_num,
@@ -588,7 +597,7 @@ def claim_run_dir(cfg, master):
     an existing one unless --overwrite, which then deletes the old checkpoints and metrics."""
     out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "last.pt"
     if cfg.resume:
-        ckpt = load_checkpoint(ckpt_path)
+        ckpt = load_checkpoint(ckpt_path, mmap=True)  # read lazily: under FSDP only rank 0 reads the weights
         changed = {k: (v, getattr(cfg, k)) for k, v in ckpt["config"].items()
                    if hasattr(cfg, k) and getattr(cfg, k) != v and k != "resume"}
         if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
@@ -689,7 +698,20 @@ def build_model(cfg, ckpt, ds):
     return model, 0, float("inf")
 
 
-def make_optimizer(cfg, model, ckpt, scaler, device):
+def build_local(cfg, ckpt, ds, rank, device, dtype):
+    """build_model on this process's device (one process, or a full copy per DDP rank)."""
+    model, iter_num, best_val_loss = build_model(cfg, ckpt, ds)
+    set_recompute(model, cfg.activation_checkpointing)
+    return model.to(device), iter_num, best_val_loss
+
+
+def set_recompute(model, on):
+    """--activation-checkpointing: each Block recomputes its attention and MLP in backward."""
+    for block in model.transformer.h:
+        block.recompute = on
+
+
+def make_optimizer(cfg, model, ckpt, scaler, device, rank=0):
     """AdamW (the model's three groups), restored from the resume checkpoint with this run's settings;
     returns it with the wall time the run had already trained."""
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):  # nanoGPT's parameter counts
@@ -697,7 +719,12 @@ def make_optimizer(cfg, model, ckpt, scaler, device):
                                                device.type, route_lr_mult=cfg.route_lr_mult)
     if ckpt is None:
         return optimizer, 0.0
-    optimizer.load_state_dict(ckpt["optimizer"])
+    if cfg.fsdp:  # rank 0's full state, sent to every rank's shards
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        state = by_name(ckpt["optimizer"], optimizer_names(model, optimizer)) if rank == 0 else {}
+        set_optimizer_state_dict(model, optimizer, state, options=full_state_options(broadcast_from_rank0=True))
+    else:
+        optimizer.load_state_dict(ckpt["optimizer"])
     for group in optimizer.param_groups:  # this run's settings, not the saved ones
         group.update(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay if group["name"] == "decay" else 0.0,
                      lr_mult=cfg.route_lr_mult if group["name"] == "routing" else 1.0)
@@ -718,6 +745,110 @@ def wrap_model(cfg, model, world_size, device):
     if world_size > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
+
+
+# ------------------------------------------------------------------------------------------------
+# the run: FSDP2 sharding, and checkpoints gathered into today's one-file format
+
+def check_fsdp(cfg):
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  (public since PyTorch 2.6)
+    except ImportError:
+        raise ConfigError(f"--fsdp needs PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard, PyTorch 2.6 or "
+                          f"newer); this is {torch.__version__}: upgrade torch or train with DDP") from None
+    if cfg.dtype == "float16":
+        raise ConfigError("--fsdp shards gradients, which float16's gradient scaler cannot unscale; "
+                          "use --dtype bfloat16 (or float32)")
+
+
+def build_sharded(cfg, ckpt, ds, rank, device, dtype):
+    """FSDP2: rank 0 builds the model on the CPU (from scratch, a checkpoint or GPT-2) as one process would;
+    every rank builds the same shape on the meta device, shards it and takes its shards of rank 0's weights.
+
+    Each attention and each MLP is its own FSDP group (gathered for its forward and backward, then freed);
+    the root group holds the rest: embeddings, LayerNorms, lm_head and the routers, whose queries the fast
+    routing path reads together when the forward starts. On CUDA with bfloat16 the groups compute in
+    bfloat16 and reduce gradients in float32; elsewhere they keep float32."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    full, shape = {}, None
+    if rank == 0:
+        model, iter_num, best_val_loss = build_model(cfg, ckpt, ds)
+        full, shape = model.state_dict(), (model.config, iter_num, best_val_loss)
+    box = [shape]
+    torch.distributed.broadcast_object_list(box, src=0)
+    config, iter_num, best_val_loss = box[0]
+    with torch.device("meta"):
+        model = GPT(config)
+    set_recompute(model, cfg.activation_checkpointing)
+    mixed = device.type == "cuda" and dtype == "bfloat16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block.attn, mp_policy=policy)
+        fully_shard(block.mlp, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.to_empty(device=device)
+    set_model_state_dict(model, full, options=full_state_options(broadcast_from_rank0=True))
+    return model, iter_num, best_val_loss
+
+
+def full_state_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_state(run):
+    """(model state_dict, optimizer state_dict) of the whole model, in the one-process format. Under FSDP
+    every rank takes part in gathering them and only rank 0 receives them (in CPU memory)."""
+    if not run.cfg.fsdp:
+        return run.raw_model.state_dict(), run.optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    options = full_state_options(cpu_offload=True)
+    model_state = get_model_state_dict(run.raw_model, options=options)
+    optim_state = get_optimizer_state_dict(run.raw_model, run.optimizer, options=options)
+    return model_state, by_index(optim_state, optimizer_names(run.raw_model, run.optimizer)) if run.master else None
+
+
+def optimizer_names(model, optimizer):
+    """The parameter names in the optimizer's order: what a plain optimizer state_dict numbers 0, 1, ..."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def by_index(state, names):
+    """An optimizer state_dict keyed by parameter name (torch.distributed.checkpoint's) -> keyed by index."""
+    index = {n: i for i, n in enumerate(names)}
+    return dict(state={index[n]: s for n, s in state["state"].items()},
+                param_groups=[dict(g, params=[index[n] for n in g["params"]]) for g in state["param_groups"]])
+
+
+def by_name(state, names):
+    """An optimizer state_dict keyed by index (a plain one's) -> keyed by parameter name."""
+    return dict(state={names[i]: s for i, s in state["state"].items()},
+                param_groups=[dict(g, params=[names[i] for i in g["params"]]) for g in state["param_groups"]])
+
+
+def gradient_sync(run, last):
+    """Gradients are reduced over the ranks on the last micro-step of a step only (DDP and FSDP)."""
+    if run.world_size > 1 and not run.cfg.fsdp and not last:
+        return run.model.no_sync()
+    if run.cfg.fsdp:
+        run.raw_model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def root_gathered(run):
+    """The root FSDP group's parameters gathered for a pass that does not enter through GPT.forward (the
+    routing statistics read GPT.hidden); a no-op without FSDP."""
+    if not run.cfg.fsdp:
+        yield
+        return
+    run.raw_model.unshard()
+    try:
+        yield
+    finally:
+        run.raw_model.reshard()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -761,7 +892,7 @@ def train_step(run, stop):
         part = (run.rank * run.accum + micro) * cfg.batch_size
         X, Y = get_batch(run.ds.train, cfg.block_size, starts[part:part + cfg.batch_size], run.device)
         last = micro == run.accum - 1
-        with (model.no_sync() if run.world_size > 1 and not last else contextlib.nullcontext()):
+        with gradient_sync(run, last):
             with run.ctx:
                 _, loss = model(X, Y)
             loss_sum += loss.detach()
@@ -786,7 +917,8 @@ def apply_gradients(run, step_loss):
         raise TrainError(f"loss is {step_loss} at step {run.iter_num}; stopped without applying it, {kept} "
                          f"(lower --learning-rate or check the data)")
     run.scaler.unscale_(run.optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip or float("inf")).item()
+    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.cfg.grad_clip or float("inf"))
+    grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # FSDP: a sharded norm
     if not math.isfinite(grad_norm) and not run.scaler.is_enabled():  # fp16's scaler skips such steps itself
         raise TrainError(f"gradient norm is {grad_norm} at step {run.iter_num} (loss {step_loss:.4f}); stopped "
                          f"without applying it, {kept} (lower --learning-rate or check the data)")
@@ -801,15 +933,17 @@ def evaluate(run):
     out = {split: estimate_loss(run.raw_model, run.ds, split, cfg.eval_iters, cfg.batch_size, run.ctx)
            for split in ("train", "val")}
     if cfg.residual != "baseline":
-        out["routing"] = routing_stats(run.raw_model, run.ds, 1, cfg.batch_size, run.ctx)
+        with root_gathered(run):
+            out["routing"] = routing_stats(run.raw_model, run.ds, 1, cfg.batch_size, run.ctx)
     return out
 
 
 def evaluate_and_checkpoint(run, final, bar):
-    """Every eval_interval steps (and at the end): evaluate, log, keep best.pt; every ckpt_interval: last.pt."""
+    """Every eval_interval steps (and at the end): evaluate, log, keep best.pt; every ckpt_interval: last.pt.
+    Every rank takes part (the same fixed batches, so the same losses and decisions); rank 0 writes."""
     cfg = run.cfg
     fresh = run.iter_num > run.record.start_step or not cfg.resume  # a checkpoint's step was evaluated before it was saved
-    if run.master and fresh and (run.iter_num % cfg.eval_interval == 0 or final):
+    if fresh and (run.iter_num % cfg.eval_interval == 0 or final):
         losses = evaluate(run)
         bar.val_loss = losses["val"]
         run.record.log(kind="eval", step=run.iter_num, train_loss=losses["train"], val_loss=losses["val"],
@@ -821,25 +955,27 @@ def evaluate_and_checkpoint(run, final, bar):
             if run.iter_num > 0:
                 checkpoint(run, run.out_dir / "best.pt")
     due = run.iter_num % cfg.ckpt_interval == 0 or final
-    if run.master and (due and run.iter_num > run.record.start_step or final and run.saved_step is None):
+    if due and run.iter_num > run.record.start_step or final and run.saved_step is None:
         checkpoint(run, run.out_dir / "last.pt")
         run.saved_step = run.iter_num
 
 
 def checkpoint(run, path):
-    """Write the run's state at its current step to `path` (atomically)."""
+    """Write the run's state at its current step to `path` (atomically, by rank 0; every rank calls it)."""
     cfg = run.cfg
-    save_checkpoint(checkpoint_dict(run.raw_model.state_dict(), run.raw_model.config, asdict(cfg), run.iter_num,
+    model_state, optim_state = full_state(run)
+    if not run.master:
+        return
+    save_checkpoint(checkpoint_dict(model_state, run.raw_model.config, asdict(cfg), run.iter_num,
                                     run.best_val_loss, dataset_info(run.ds.meta, cfg.dataset),
-                                    optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
+                                    optimizer=optim_state, scaler=run.scaler.state_dict(),
                                     rng=rng_state(), elapsed=time.time() - run.t_start, commit=run.record.commit), path)
 
 
 def stopped(run, bar):
     """A signal arrived: write last.pt at the current step (the step in flight is redone on resume) and exit."""
     ckpt_path = run.out_dir / "last.pt"
-    if run.master:
-        checkpoint(run, ckpt_path)
+    checkpoint(run, ckpt_path)
     bar.close()
     message = f"stopped by signal at step {run.iter_num}; checkpoint {ckpt_path} written (continue with --resume)"
     if run.master:
@@ -849,7 +985,7 @@ def stopped(run, bar):
 
 def evaluate_once(run):
     """--eval-only: the losses of the loaded model, nothing written."""
-    losses = evaluate(run) if run.master else {}
+    losses = evaluate(run)
     if run.master:
         print(f"step {run.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     return dict(val_loss=losses.get("val"), train_loss=losses.get("train"), iter_num=run.iter_num)
@@ -887,7 +1023,8 @@ class Progress:
                       flush=True)
 
     def write(self, line):
-        self.bar.write(line)
+        if self.run.master:
+            self.bar.write(line)
 
     def close(self):
         self.bar.close()
