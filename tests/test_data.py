@@ -206,8 +206,8 @@ def test_text_folder(tmp_path):
     write(tmp_path / "books" / "a.txt", "first book")
     write(tmp_path / "books" / "sub" / "c.txt", "third book\n")
     write(tmp_path / "books" / "notes.md", "ignored")
-    ds = data.load(data.prepare("text", input=tmp_path / "books", data_dir=tmp_path, progress=False).name,
-                   data_dir=tmp_path)
+    ds = data.load(data.prepare("text", input=tmp_path / "books", data_dir=tmp_path / "d", progress=False).name,
+                   data_dir=tmp_path / "d")
     assert ds.name == "books"
     assert ds.tokenizer.decode(ds.train) + ds.tokenizer.decode(ds.val) == "first book\n\nsecond book\n\nthird book\n"
 
@@ -215,19 +215,65 @@ def test_text_folder(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # idempotence, force, atomic writes
 
-def test_second_prepare_is_a_no_op_unless_forced_or_changed(small):
+def test_second_prepare_is_a_no_op_unless_forced(small):
     d, src = small
     before = snapshot(d / "small")
-    data.prepare("text", input=src, data_dir=d, progress=False)
-    assert snapshot(d / "small") == before
-    data.prepare("text", input=src, data_dir=d, force=True, progress=False)
+    again = data.prepare_dataset("text", input=src, data_dir=d, progress=False)
+    assert (again.path, again.written, again.meta) == (d / "small", False, data.load("small", data_dir=d).meta)
+    assert snapshot(d / "small") == before and data.prepare("text", input=src, data_dir=d, progress=False) == d / "small"
+    forced = data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False)
     after = snapshot(d / "small")
+    assert forced.written and forced.meta == again.meta
     assert {k: v[2] for k, v in after.items()} == {k: v[2] for k, v in before.items()}  # same content
     assert after["train.bin"][0] != before["train.bin"][0]  # but written again
+
+
+def test_a_different_dataset_is_not_replaced_unless_forced(small, tmp_path):
+    d, src = small
+    before = snapshot(d / "small")
+    other = write(tmp_path / "other.txt", "other words entirely\n" * 30)
+    raises(lambda: data.prepare("text", input=other, out_name="small", data_dir=d, progress=False),
+           f"{d / 'small'} already holds a different dataset, text from {src}", f"its source is {src}, not {other}",
+           "pass --force to replace it, or give another --name")
+    raises(lambda: data.prepare("text", input=src, tokenizer="gpt2", data_dir=d, progress=False),
+           "its tokenizer is char, not gpt2", "--force")
+    src.write_text(src.read_text() + "one more line\n")  # the file changed since it was prepared
+    raises(lambda: data.prepare("text", input=src, data_dir=d, progress=False),
+           f"the text of {src} has changed since it was prepared", "--force", "--name")
+    assert snapshot(d / "small") == before  # refused three times, untouched
     old_hash = data.load("small", data_dir=d).meta["content_hash"]
-    src.write_text(src.read_text() + "one more line\n")  # the content changed: prepared again
-    data.prepare("text", input=src, data_dir=d, progress=False)
+    assert data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False).written
     assert data.load("small", data_dir=d).meta["content_hash"] != old_hash
+    assert data.prepare_dataset("text", input=other, out_name="small2", data_dir=d, progress=False).written
+
+
+def test_a_users_files_are_not_replaced(tmp_path):
+    src = write(tmp_path / "poem.txt", "".join(f"verse {i}\n" for i in range(30)))
+    d = tmp_path / "d"
+    write(d / "poem" / "notes.md", "my own notes")
+    raises(lambda: data.prepare("text", input=src, data_dir=d, progress=False),
+           f"{d / 'poem'} already holds files that are not a complete delta-gpt dataset", "--force", "--name")
+    assert (d / "poem" / "notes.md").read_text() == "my own notes"
+    write(d / "poem.bin", "a file, not a folder")  # a file is never replaced, even with force
+    raises(lambda: data.prepare("text", input=src, out_name="poem.bin", data_dir=d, force=True, progress=False),
+           f"{d / 'poem.bin'} is a file, not a dataset folder", "another name")
+    assert (d / "poem.bin").read_text() == "a file, not a folder"
+    (d / "empty").mkdir()  # an empty folder holds nothing to lose
+    assert data.prepare_dataset("text", input=src, out_name="empty", data_dir=d, progress=False).written
+    assert data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False).written  # asked
+    assert not (d / "poem" / "notes.md").exists() and sorted(p.name for p in d.iterdir()) == ["empty", "poem", "poem.bin"]
+
+
+def test_the_input_is_never_replaced(tmp_path):
+    """data/books as both the input folder and (its default name) the output: refused even with force."""
+    books = tmp_path / "books"
+    write(books / "a.txt", "first book\n" * 20)
+    for force in (False, True):
+        raises(lambda: data.prepare("text", input=books, data_dir=tmp_path, force=force, progress=False),
+               f"preparing into {books} would replace the input {books}", "another name")
+        raises(lambda: data.prepare("text", input=books / "a.txt", out_name="books", data_dir=tmp_path, force=force,
+                                    progress=False), f"would replace the input {books / 'a.txt'}")
+    assert sorted(p.name for p in books.iterdir()) == ["a.txt"]
 
 
 def test_shakespeare_prepare_is_a_no_op(shakespeare_dir):
@@ -270,12 +316,12 @@ DOCS[7] = ""  # empty documents are skipped
 DOCS[9] = "a document that mentions <|endoftext|> as plain text"
 
 
-def fineweb(tmp_path, monkeypatch, shard, num_proc=1, max_tokens=10**9, val=500, docs=DOCS):
+def fineweb(tmp_path, monkeypatch, shard, num_proc=1, max_tokens=10**9, val=500, docs=DOCS, force=False):
     monkeypatch.setattr(D, "SHARD_TOKENS", shard)
     monkeypatch.setattr(D, "VAL_TOKENS", val)
     monkeypatch.setattr(D, "DOC_BATCH", 16)
     data.prepare("fineweb_edu", docs=iter(docs), max_tokens=max_tokens, num_proc=num_proc, data_dir=tmp_path,
-                 out_name=f"fw{shard}_{num_proc}", progress=False)
+                 out_name=f"fw{shard}_{num_proc}", force=force, progress=False)
     return data.load(f"fw{shard}_{num_proc}", data_dir=tmp_path)
 
 
@@ -300,7 +346,7 @@ def test_fineweb_documents(tmp_path, monkeypatch):
 def test_fineweb_max_tokens(tmp_path, monkeypatch):
     ds = fineweb(tmp_path, monkeypatch, shard=64, max_tokens=1234)
     assert len(ds.val) + len(ds.train) == 1234 and len(ds.val) >= 123  # val: at least 10% of max_tokens
-    raises(lambda: fineweb(tmp_path, monkeypatch, shard=64, val=10**6), "gave only", "larger --max-tokens")
+    raises(lambda: fineweb(tmp_path, monkeypatch, shard=64, val=10**6, force=True), "gave only", "larger --max-tokens")
     raises(lambda: data.prepare("fineweb_edu", docs=DOCS, max_tokens=1, data_dir=tmp_path), "--max-tokens")
 
 
@@ -409,7 +455,8 @@ def test_load_bad_meta(small):
     meta = d / "small" / "meta.json"
     meta.unlink()
     raises(lambda: data.load("small", data_dir=d), "meta.json is missing", "--force")
-    data.prepare("text", input=src, data_dir=d, progress=False)  # an incomplete dataset is prepared again
+    raises(lambda: data.prepare("text", input=src, data_dir=d, progress=False), "not a complete delta-gpt dataset")
+    data.prepare("text", input=src, data_dir=d, force=True, progress=False)  # as load's message says
     good = meta.read_text()
     meta.write_text("{not json")
     raises(lambda: data.load("small", data_dir=d), "meta.json is unreadable", "--force")
@@ -419,6 +466,10 @@ def test_load_bad_meta(small):
     train = d / "small" / "train.bin"
     train.write_bytes(train.read_bytes()[:-2])
     raises(lambda: data.load("small", data_dir=d), "train.bin has", "bytes but meta.json says", "--force")
+    raises(lambda: data.prepare("text", input=src, data_dir=d, progress=False),
+           f"{d / 'small'} already holds a damaged dataset (text from {src}", "--force")
+    assert data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False).written
+    data.load("small", data_dir=d)
 
 
 # ----------------------------------------------------------------------------------------------
