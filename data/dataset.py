@@ -184,8 +184,8 @@ def _clean_leftovers(out: Path) -> None:
 @contextlib.contextmanager
 def _atomic_folder(out: Path):
     """Yield an empty hidden sibling of `out`; when the block succeeds it replaces `out`, else it is deleted.
-    Callers decide beforehand (_existing) whether `out` may be replaced."""
-    _clean_leftovers(out)
+    Callers decide beforehand (_existing, which also clears a killed prepare's leftovers) whether `out`
+    may be replaced."""
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp, old = out.parent / f".{out.name}.tmp-{tag}", out.parent / f".{out.name}.old-{tag}"
     try:
@@ -232,14 +232,16 @@ def describe(meta: dict) -> str:
 
 
 def _differences(meta: dict, expect: dict) -> list[str]:
-    """How the dataset in meta.json differs from the one asked for, in words."""
+    """How the dataset in meta.json differs from the one asked for, in words (the content only when the
+    source is the same: another source's content differs anyway)."""
     diffs = []
     for k, v in expect.items():
-        if k == "content_hash" and meta.get("source") == expect.get("source"):
-            if meta.get(k) != v:
-                diffs.append(f"the text of {expect['source']} has changed since it was prepared")
-        elif meta.get(k) != v:
+        if meta.get(k) == v:
+            continue
+        if k != "content_hash":
             diffs.append(f"its {k} is {meta.get(k)}, not {v}")
+        elif meta.get("source") == expect.get("source"):
+            diffs.append(f"the text of {expect['source']} has changed since it was prepared")
     return diffs
 
 
@@ -248,6 +250,7 @@ def _existing(out: Path, expect: dict, *, force: bool, comparable: bool = True):
     None when out/ may be written (absent, an empty folder, or force). Anything else there, a user's file
     or folder or another dataset, is refused: nothing a user made is replaced unless asked with --force.
     comparable=False: the new content is not known before writing (docs=), so any dataset there is refused."""
+    _clean_leftovers(out)
     if not (out.exists() or out.is_symlink()):
         return None
     if not out.is_dir():  # a dataset is a folder: replacing a file is never what --force asks

@@ -150,6 +150,19 @@ def test_split_has_no_overlap_and_covers_the_text():
     raises(lambda: D.split_text("a"), "only 1 characters long")
 
 
+@pytest.mark.parametrize("text", ["one single line of text without an end " * 3, "one line, ending in a newline\n" * 1])
+def test_meta_says_where_a_single_line_was_cut(tmp_path, text):
+    src = write(tmp_path / "one.txt", text)
+    d = tmp_path / "d"
+    ds = data.load(data.prepare("text", input=src, data_dir=d, progress=False).name, data_dir=d)
+    n = ds.meta["train_chars"]
+    assert ds.meta["split"].endswith(f"cut mid-line after character {n}, since the text has no line boundary to cut at")
+    assert ds.tokenizer.decode(ds.train) == text[:n] and n == int(len(text) * 0.9)
+    lines = write(tmp_path / "lines.txt", "".join(f"line {i}\n" for i in range(30)))
+    meta = data.load(data.prepare("text", input=lines, data_dir=d, progress=False).name, data_dir=d).meta
+    assert meta["split"].endswith("cut at a line boundary") and lines.read_text()[meta["train_chars"] - 1] == "\n"
+
+
 def test_shakespeare_char(shakespeare_dir):
     ds = data.load("shakespeare_char", data_dir=shakespeare_dir, block_size=256)
     meta = ds.meta
@@ -220,7 +233,8 @@ def test_second_prepare_is_a_no_op_unless_forced(small):
     before = snapshot(d / "small")
     again = data.prepare_dataset("text", input=src, data_dir=d, progress=False)
     assert (again.path, again.written, again.meta) == (d / "small", False, data.load("small", data_dir=d).meta)
-    assert snapshot(d / "small") == before and data.prepare("text", input=src, data_dir=d, progress=False) == d / "small"
+    assert data.prepare("text", input=src, data_dir=d, progress=False) == d / "small"  # data.prepare: the folder
+    assert snapshot(d / "small") == before
     forced = data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False)
     after = snapshot(d / "small")
     assert forced.written and forced.meta == again.meta
@@ -233,8 +247,8 @@ def test_a_different_dataset_is_not_replaced_unless_forced(small, tmp_path):
     before = snapshot(d / "small")
     other = write(tmp_path / "other.txt", "other words entirely\n" * 30)
     raises(lambda: data.prepare("text", input=other, out_name="small", data_dir=d, progress=False),
-           f"{d / 'small'} already holds a different dataset, text from {src}", f"its source is {src}, not {other}",
-           "pass --force to replace it, or give another --name")
+           f"{d / 'small'} already holds a different dataset, text from {src}",
+           f"(its source is {src}, not {other}); pass --force to replace it, or give another --name")
     raises(lambda: data.prepare("text", input=src, tokenizer="gpt2", data_dir=d, progress=False),
            "its tokenizer is char, not gpt2", "--force")
     src.write_text(src.read_text() + "one more line\n")  # the file changed since it was prepared
@@ -261,7 +275,8 @@ def test_a_users_files_are_not_replaced(tmp_path):
     (d / "empty").mkdir()  # an empty folder holds nothing to lose
     assert data.prepare_dataset("text", input=src, out_name="empty", data_dir=d, progress=False).written
     assert data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False).written  # asked
-    assert not (d / "poem" / "notes.md").exists() and sorted(p.name for p in d.iterdir()) == ["empty", "poem", "poem.bin"]
+    assert not (d / "poem" / "notes.md").exists()
+    assert sorted(p.name for p in d.iterdir()) == ["empty", "poem", "poem.bin"]
 
 
 def test_the_input_is_never_replaced(tmp_path):
@@ -304,8 +319,18 @@ def test_leftovers_of_a_killed_prepare_are_removed(small):
     d, src = small
     stale = d / ".small.tmp-999999999-abcd"  # no such process
     write(stale / "train.bin", b"\0\0")
+    write(d / ".small.old-999999998-abcd", b"a stale file")
     data.prepare("text", input=src, data_dir=d, force=True, progress=False)
     assert sorted(p.name for p in d.iterdir()) == ["small"]
+
+
+def test_a_prepare_killed_between_its_renames_gives_the_old_dataset_back(small):
+    d, src = small
+    before = snapshot(d / "small")
+    (d / "small").rename(d / ".small.old-999999999-abcd")  # killed after moving it aside, before the new one
+    write(d / ".small.tmp-999999999-abcd" / "train.bin", b"\0\0")
+    assert not data.prepare_dataset("text", input=src, data_dir=d, progress=False).written  # the old one is back
+    assert snapshot(d / "small") == before and sorted(p.name for p in d.iterdir()) == ["small"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,6 +373,26 @@ def test_fineweb_max_tokens(tmp_path, monkeypatch):
     assert len(ds.val) + len(ds.train) == 1234 and len(ds.val) >= 123  # val: at least 10% of max_tokens
     raises(lambda: fineweb(tmp_path, monkeypatch, shard=64, val=10**6, force=True), "gave only", "larger --max-tokens")
     raises(lambda: data.prepare("fineweb_edu", docs=DOCS, max_tokens=1, data_dir=tmp_path), "--max-tokens")
+
+
+def test_fineweb_docs_never_replace_a_prepared_dataset(tmp_path, monkeypatch):
+    """docs= without out_name writes data/fineweb_edu, the real dataset's name: refused when it is there."""
+    calls = []
+    fake_datasets(monkeypatch, [{"text": d} for d in DOCS], calls)
+    real = data.prepare("fineweb_edu", max_tokens=2000, num_proc=1, data_dir=tmp_path, progress=False)
+    before = snapshot(real)
+    raises(lambda: data.prepare("fineweb_edu", docs=DOCS, max_tokens=2000, data_dir=tmp_path, progress=False),
+           f"{real} already holds a different dataset, fineweb_edu from HuggingFaceFW/fineweb-edu/sample-10BT",
+           "its source is HuggingFaceFW/fineweb-edu/sample-10BT, not documents given to data.prepare(docs=...)",
+           "--force", "--name")
+    raises(lambda: data.prepare("fineweb_edu", max_tokens=3000, data_dir=tmp_path, progress=False),
+           "its max_tokens is 2000, not 3000", "--force")
+    assert snapshot(real) == before and len(calls) == 1  # refused before streaming anything
+    mine = data.prepare("fineweb_edu", docs=DOCS, max_tokens=2000, out_name="mine", data_dir=tmp_path, progress=False)
+    raises(lambda: data.prepare("fineweb_edu", docs=DOCS, max_tokens=2000, out_name="mine", data_dir=tmp_path),
+           "documents given with docs= cannot be compared with it before they are read", "--force")
+    assert data.prepare_dataset("fineweb_edu", docs=DOCS, max_tokens=2000, out_name="mine", data_dir=tmp_path,
+                                force=True, progress=False).written and mine == tmp_path / "mine"
 
 
 def test_fineweb_interrupted_stream_leaves_nothing(tmp_path, monkeypatch):
@@ -509,3 +554,25 @@ def test_cli_prepares_text(tmp_path):
     r = cli("text", "--input", src, "--tokenizer", "gpt2", "--name", "poem", "--data-dir", tmp_path / "d")
     assert r.returncode == 0, r.stderr
     assert data.load("poem", data_dir=tmp_path / "d").meta["tokenizer"] == "gpt2"
+
+
+def test_cli_says_already_prepared_and_refuses_another_source(tmp_path):
+    """In-process through Typer: a second prepare says so; another source into the same name is one line, exit 1."""
+    import cli as cli_module
+    from typer.testing import CliRunner
+    src, other, d = write(tmp_path / "poem.txt", "verse\n" * 30), write(tmp_path / "other.txt", "prose\n" * 30), tmp_path / "d"
+
+    def invoke(*args):
+        return CliRunner().invoke(cli_module.app, ["prepare", "text", *map(str, args), "--data-dir", str(d)])
+    first, second = invoke("--input", src), invoke("--input", src)
+    assert first.exit_code == second.exit_code == 0, first.output + second.output
+    assert first.stdout.startswith(f"prepared {d / 'poem'} (text from {src}, char tokenizer")
+    assert second.stdout.startswith(f"{d / 'poem'} is already prepared (text from {src}, char tokenizer, ")
+    assert second.stdout.strip().endswith("tokens); pass --force to prepare it again")
+    refused = invoke("--input", other, "--name", "poem")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.exit_code == 1 and len(lines) == 1 and "Traceback" not in refused.output, refused.output
+    assert lines[0].startswith(f"error: {d / 'poem'} already holds a different dataset, text from {src}")
+    assert lines[0].endswith("pass --force to replace it, or give another --name")
+    forced = invoke("--input", other, "--name", "poem", "--force").stdout
+    assert forced.startswith(f"prepared {d / 'poem'} (text from {other}")
