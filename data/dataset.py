@@ -262,7 +262,7 @@ def _existing(out: Path, expect: dict, *, force: bool, comparable: bool = True):
         meta = _read_meta(out, "")
     except DataError:
         raise DataError(f"{out} already holds files that are not a complete delta-gpt dataset "
-                        f"(no readable meta.json); {ways}") from None
+                        f"(its meta.json is missing, unreadable or incomplete); {ways}") from None
     try:
         _check_bins(out, meta, "")
     except DataError:

@@ -150,7 +150,7 @@ def test_split_has_no_overlap_and_covers_the_text():
     raises(lambda: D.split_text("a"), "only 1 characters long")
 
 
-@pytest.mark.parametrize("text", ["one single line of text without an end " * 3, "one line, ending in a newline\n" * 1])
+@pytest.mark.parametrize("text", ["one single line of text without an end " * 3, "one line, ending in a newline\n"])
 def test_meta_says_where_a_single_line_was_cut(tmp_path, text):
     src = write(tmp_path / "one.txt", text)
     d = tmp_path / "d"
