@@ -77,7 +77,7 @@ def prepare(
     max_tokens: int = typer.Option(100_000_000, "--max-tokens", help="fineweb_edu: stop after this many tokens"),
     subset: str = typer.Option("sample-10BT", "--subset", help="fineweb_edu: the Hugging Face config"),
     num_proc: Optional[int] = typer.Option(None, "--num-proc", help="fineweb_edu: tokenizer processes (default: CPU count)"),
-    force: bool = typer.Option(False, "--force", help="prepare again even if the dataset is there"),
+    force: bool = typer.Option(False, "--force", help="prepare again, replacing whatever data/NAME holds"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: data/)"),
 ):
     """Tokenise a dataset into data/NAME/{train,val}.bin and meta.json."""
@@ -86,8 +86,11 @@ def prepare(
                   subset=subset, num_proc=num_proc)
     if data_dir is not None:
         kwargs["data_dir"] = data_dir
-    path = data.prepare(dataset, **kwargs)
-    typer.echo(f"prepared {path}")
+    done = data.prepare_dataset(dataset, **kwargs)
+    if done.written:
+        typer.echo(f"prepared {done.path} ({data.describe(done.meta)})")
+    else:
+        typer.echo(f"{done.path} is already prepared ({data.describe(done.meta)}); pass --force to prepare it again")
 
 
 @app.command(context_settings=PASS_THROUGH, cls=TrainHelp)

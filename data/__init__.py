@@ -2,14 +2,16 @@
 
     import data
     data.prepare("shakespeare_char")                      # -> data/shakespeare_char/
+    data.prepare_dataset("shakespeare_char").written      # False: already prepared, nothing written
     ds = data.load("shakespeare_char", block_size=256)    # ds.train, ds.val: np.memmap of token ids
     ds.tokenizer.decode(ds.val[:100].tolist())
 
 Datasets live in data/<name>/ as train.bin, val.bin and meta.json (see data/dataset.py);
 tokenizers are in data/tokenizer.py. Every bad input raises DataError with a one-line message.
 """
-from .dataset import DATASETS, DEFAULT_DATA_DIR, Dataset, load, prepare, token_dtype
+from .dataset import (DATASETS, DEFAULT_DATA_DIR, Dataset, Prepared, describe, load, prepare, prepare_dataset,
+                      token_dtype)
 from .tokenizer import CharTokenizer, DataError, GPT2Tokenizer, get_tokenizer, gpt2_encoding
 
-__all__ = ["DATASETS", "DEFAULT_DATA_DIR", "DataError", "Dataset", "prepare", "load", "get_tokenizer",
-           "gpt2_encoding", "CharTokenizer", "GPT2Tokenizer", "token_dtype"]
+__all__ = ["DATASETS", "DEFAULT_DATA_DIR", "DataError", "Dataset", "Prepared", "prepare", "prepare_dataset", "describe",
+           "load", "get_tokenizer", "gpt2_encoding", "CharTokenizer", "GPT2Tokenizer", "token_dtype"]

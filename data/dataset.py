@@ -7,7 +7,8 @@ character vocabulary for char datasets, the source and a sha256 content hash.
 Writes are atomic: a dataset is built in a hidden sibling folder (.NAME.tmp-PID-XXXX) and renamed
 into place only when complete, so an interrupted prepare leaves the old dataset or none, never a
 half-written one. Preparing a dataset that is already there with the same source, content and
-settings is a no-op unless force=True.
+settings is a no-op unless force=True; a folder holding anything else (another dataset, a user's
+files) is refused unless force=True, and a file or the text's own input is never replaced.
 """
 import contextlib
 import functools
@@ -73,6 +74,15 @@ class Dataset:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What prepare_dataset() did: the dataset's folder, whether it was written now (False: it already held
+    this dataset, with the same source, content and settings) and its meta.json."""
+    path: Path
+    written: bool
+    meta: dict
 
 
 def _prepare_command(name: str, data_dir: Path) -> str:
@@ -150,13 +160,32 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _remove(path: Path) -> None:
+    """Delete a file, a link (never what it points to) or a folder tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Remove the temp folders of a killed prepare. A killed prepare's .old folder is the dataset it was
+    replacing: when out/ is gone (killed between the two renames), it is put back, not deleted."""
+    for stale in sorted(out.parent.glob(f".{glob.escape(out.name)}.*-*-*")):
+        m = re.fullmatch(r"\.(tmp|old)-(\d+)-[0-9a-f]+", stale.name[len(out.name) + 1:])
+        if not m or _pid_alive(int(m[2])):
+            continue
+        if m[1] == "old" and not (out.exists() or out.is_symlink()):
+            stale.rename(out)
+        else:
+            _remove(stale)
+
+
 @contextlib.contextmanager
 def _atomic_folder(out: Path):
-    """Yield an empty hidden sibling of `out`; when the block succeeds it replaces `out`, else it is deleted."""
-    for stale in out.parent.glob(f".{glob.escape(out.name)}.*-*-*"):  # left by a killed prepare
-        m = re.fullmatch(r"\.(?:tmp|old)-(\d+)-[0-9a-f]+", stale.name[len(out.name) + 1:])
-        if m and not _pid_alive(int(m[1])):
-            shutil.rmtree(stale, ignore_errors=True)
+    """Yield an empty hidden sibling of `out`; when the block succeeds it replaces `out`, else it is deleted.
+    Callers decide beforehand (_existing, which also clears a killed prepare's leftovers) whether `out`
+    may be replaced."""
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp, old = out.parent / f".{out.name}.tmp-{tag}", out.parent / f".{out.name}.old-{tag}"
     try:
@@ -165,17 +194,17 @@ def _atomic_folder(out: Path):
         raise DataError(f"cannot write to {out.parent} ({e.strerror}); choose a writable --data-dir") from None
     try:
         yield tmp
-        if out.exists():
+        if out.exists() or out.is_symlink():
             out.rename(old)
         try:
             tmp.rename(out)
         except BaseException:
-            if old.exists():
+            if old.exists() or old.is_symlink():
                 old.rename(out)
             raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(tmp)
+        _remove(old)
 
 
 def _write_tokens(path: Path, chunks, dtype) -> int:
@@ -192,14 +221,59 @@ def _write_meta(folder: Path, meta: dict) -> None:
     (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
-def _is_current(out: Path, expect: dict) -> bool:
-    """True when out/ is a complete dataset whose meta.json matches every key of `expect`."""
+def describe(meta: dict) -> str:
+    """What a dataset holds, for messages: "text from /x/a.txt, char tokenizer, 540 train + 60 val tokens"."""
+    words = f"{meta.get('dataset', 'a dataset')} from {meta.get('source', 'an unknown source')}"
+    if meta.get("tokenizer"):
+        words += f", {meta['tokenizer']} tokenizer"
+    if isinstance(meta.get("train_tokens"), int) and isinstance(meta.get("val_tokens"), int):
+        words += f", {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens"
+    return words
+
+
+def _differences(meta: dict, expect: dict) -> list[str]:
+    """How the dataset in meta.json differs from the one asked for, in words (the content only when the
+    source is the same: another source's content differs anyway)."""
+    diffs = []
+    for k, v in expect.items():
+        if meta.get(k) == v:
+            continue
+        if k != "content_hash":
+            diffs.append(f"its {k} is {meta.get(k)}, not {v}")
+        elif meta.get("source") == expect.get("source"):
+            diffs.append(f"the text of {expect['source']} has changed since it was prepared")
+    return diffs
+
+
+def _existing(out: Path, expect: dict, *, force: bool, comparable: bool = True):
+    """meta.json of out/ when it already holds the dataset `expect` describes (then nothing is written);
+    None when out/ may be written (absent, an empty folder, or force). Anything else there, a user's file
+    or folder or another dataset, is refused: nothing a user made is replaced unless asked with --force.
+    comparable=False: the new content is not known before writing (docs=), so any dataset there is refused."""
+    _clean_leftovers(out)
+    if not (out.exists() or out.is_symlink()):
+        return None
+    if not out.is_dir():  # a dataset is a folder: replacing a file is never what --force asks
+        raise DataError(f"{out} is a file, not a dataset folder; give --name another name or choose another --data-dir")
+    if force or not any(out.iterdir()):
+        return None
+    ways = "pass --force to replace it, or give another --name"
     try:
         meta = _read_meta(out, "")
+    except DataError:
+        raise DataError(f"{out} already holds files that are not a complete delta-gpt dataset "
+                        f"(its meta.json is missing, unreadable or incomplete); {ways}") from None
+    try:
         _check_bins(out, meta, "")
     except DataError:
-        return False
-    return all(meta.get(k) == v for k, v in expect.items())
+        raise DataError(f"{out} already holds a damaged dataset ({describe(meta)}: its .bin files do not match "
+                        f"meta.json); {ways}") from None
+    diffs = _differences(meta, expect)
+    if not diffs and comparable:
+        return meta
+    if not diffs:
+        diffs = ["documents given with docs= cannot be compared with it before they are read"]
+    raise DataError(f"{out} already holds a different dataset, {describe(meta)} ({'; '.join(diffs)}); {ways}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,14 +374,16 @@ def encode_text(tok, text: str, *, progress: bool = False, chunk: int = TEXT_CHU
 
 
 def _prepare_text(out: Path, *, dataset: str, files: list[Path], source: str, tokenizer: str,
-                  force: bool, progress: bool) -> Path:
+                  force: bool, progress: bool) -> Prepared:
     text = read_text(files, source)
     content_hash = "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
     expect = {"format": FORMAT, "dataset": dataset, "tokenizer": tokenizer, "source": source,
               "content_hash": content_hash}
-    if not force and _is_current(out, expect):
-        return out
+    if (meta := _existing(out, expect, force=force)) is not None:
+        return Prepared(out, False, meta)
     train_text, val_text = split_text(text)
+    where = "at a line boundary" if train_text.endswith("\n") else \
+        f"mid-line after character {len(train_text)}, since the text has no line boundary to cut at"
     tok = CharTokenizer("".join(sorted(set(text)))) if tokenizer == "char" else GPT2Tokenizer()
     dtype = token_dtype(tok.vocab_size)
     with _atomic_folder(out) as tmp:
@@ -315,14 +391,14 @@ def _prepare_text(out: Path, *, dataset: str, files: list[Path], source: str, to
         n_val = _write_tokens(tmp / "val.bin", encode_text(tok, val_text, progress=progress), dtype)
         meta = {**expect, "name": out.name, "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
                 "train_tokens": n_train, "val_tokens": n_val,
-                "split": f"val is the last {VAL_FRACTION:.0%} of the text by characters, cut at a line boundary",
+                "split": f"val is the last {VAL_FRACTION:.0%} of the text by characters, cut {where}",
                 "train_chars": len(train_text), "val_chars": len(val_text)}
         if tokenizer == "char":
             meta["chars"] = tok.chars
         else:
             meta["eot"] = tok.eot
         _write_meta(tmp, meta)
-    return out
+    return Prepared(out, True, meta)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,7 +523,7 @@ def _fineweb_documents(subset: str):
 
 
 def _prepare_fineweb(out: Path, *, force: bool, subset: str, max_tokens: int, num_proc, progress: bool,
-                     docs) -> Path:
+                     docs) -> Prepared:
     if not isinstance(max_tokens, int) or max_tokens < 2:
         raise DataError(f"--max-tokens must be an integer of at least 2, not {max_tokens!r}")
     if num_proc is not None and num_proc < 1:
@@ -455,9 +531,10 @@ def _prepare_fineweb(out: Path, *, force: bool, subset: str, max_tokens: int, nu
     source = f"{FINEWEB}/{subset}" if docs is None else "documents given to data.prepare(docs=...)"
     expect = {"format": FORMAT, "dataset": "fineweb_edu", "tokenizer": "gpt2", "source": source,
               "max_tokens": max_tokens}
-    if docs is None:  # a local iterable cannot be compared with what was prepared: always prepare it
-        if not force and _is_current(out, expect):
-            return out
+    # a local iterable cannot be compared with what was prepared before it is read: out/ must be free
+    if (meta := _existing(out, expect, force=force, comparable=docs is None)) is not None:
+        return Prepared(out, False, meta)
+    if docs is None:
         docs = _fineweb_documents(subset)
     val_tokens = max(1, min(VAL_TOKENS, max_tokens // 10))
     with _atomic_folder(out) as tmp:
@@ -467,22 +544,30 @@ def _prepare_fineweb(out: Path, *, force: bool, subset: str, max_tokens: int, nu
                 "split": f"val is the first whole documents of the stream, at least {val_tokens} tokens; "
                          f"each document is preceded by <|endoftext|>"}
         _write_meta(tmp, meta)
-    return out
+    return Prepared(out, True, meta)
 
 
 # ----------------------------------------------------------------------------------------------
 
-def prepare(name: str = "shakespeare_char", *, data_dir=DEFAULT_DATA_DIR, force: bool = False, input=None,
-            tokenizer: str = "char", out_name=None, max_tokens: int = 100_000_000, subset: str = "sample-10BT",
-            num_proc=None, progress: bool = True, docs=None) -> Path:
-    """Tokenise dataset `name` into data_dir/<out_name or name>/ and return that folder.
+def prepare(name: str = "shakespeare_char", **options) -> Path:
+    """Tokenise dataset `name` into data_dir/<out_name or name>/ and return that folder; the options are
+    prepare_dataset()'s. A second call with the same source, content and settings writes nothing."""
+    return prepare_dataset(name, **options).path
+
+
+def prepare_dataset(name: str = "shakespeare_char", *, data_dir=DEFAULT_DATA_DIR, force: bool = False, input=None,
+                    tokenizer: str = "char", out_name=None, max_tokens: int = 100_000_000, subset: str = "sample-10BT",
+                    num_proc=None, progress: bool = True, docs=None) -> Prepared:
+    """Tokenise dataset `name` into data_dir/<out_name or name>/; say where and whether it was written.
 
     shakespeare_char / shakespeare: the embedded Shakespeare text, char level / GPT-2 BPE.
     text: `input` (a UTF-8 file or a folder of .txt files) with `tokenizer` "char" or "gpt2";
     the folder name defaults to the input's stem.
     fineweb_edu: streamed from the Hub (or from `docs`, an iterable of document strings, offline),
     GPT-2 BPE, up to `max_tokens` tokens, in `num_proc` processes (default: all CPUs).
-    A second call with the same source, content and settings returns at once unless `force`.
+    When the folder already holds this dataset (same source, content and settings), nothing is written
+    (written=False) unless `force`. Anything else in the folder (another dataset, the user's own files)
+    is refused unless `force`; a file there, or the text's own input, is never replaced.
     """
     if name not in DATASETS:
         raise DataError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
@@ -502,6 +587,9 @@ def prepare(name: str = "shakespeare_char", *, data_dir=DEFAULT_DATA_DIR, force:
     if not out_name or out_name.startswith(".") or any(c in out_name for c in "/\\\0"):
         raise DataError(f"dataset name {out_name!r} is not a plain folder name; give --name a name like my_books")
     out = Path(data_dir).expanduser() / out_name
+    if name == "text" and (out.resolve() == Path(source) or out.resolve() in Path(source).parents):
+        raise DataError(f"preparing into {out} would replace the input {source}; "
+                        f"give --name another name or choose another --data-dir")
     if name == "fineweb_edu":
         return _prepare_fineweb(out, force=force, subset=subset, max_tokens=max_tokens, num_proc=num_proc,
                                 progress=progress, docs=docs)

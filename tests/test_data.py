@@ -150,6 +150,19 @@ def test_split_has_no_overlap_and_covers_the_text():
     raises(lambda: D.split_text("a"), "only 1 characters long")
 
 
+@pytest.mark.parametrize("text", ["one single line of text without an end " * 3, "one line, ending in a newline\n"])
+def test_meta_says_where_a_single_line_was_cut(tmp_path, text):
+    src = write(tmp_path / "one.txt", text)
+    d = tmp_path / "d"
+    ds = data.load(data.prepare("text", input=src, data_dir=d, progress=False).name, data_dir=d)
+    n = ds.meta["train_chars"]
+    assert ds.meta["split"].endswith(f"cut mid-line after character {n}, since the text has no line boundary to cut at")
+    assert ds.tokenizer.decode(ds.train) == text[:n] and n == int(len(text) * 0.9)
+    lines = write(tmp_path / "lines.txt", "".join(f"line {i}\n" for i in range(30)))
+    meta = data.load(data.prepare("text", input=lines, data_dir=d, progress=False).name, data_dir=d).meta
+    assert meta["split"].endswith("cut at a line boundary") and lines.read_text()[meta["train_chars"] - 1] == "\n"
+
+
 def test_shakespeare_char(shakespeare_dir):
     ds = data.load("shakespeare_char", data_dir=shakespeare_dir, block_size=256)
     meta = ds.meta
@@ -206,8 +219,8 @@ def test_text_folder(tmp_path):
     write(tmp_path / "books" / "a.txt", "first book")
     write(tmp_path / "books" / "sub" / "c.txt", "third book\n")
     write(tmp_path / "books" / "notes.md", "ignored")
-    ds = data.load(data.prepare("text", input=tmp_path / "books", data_dir=tmp_path, progress=False).name,
-                   data_dir=tmp_path)
+    ds = data.load(data.prepare("text", input=tmp_path / "books", data_dir=tmp_path / "d", progress=False).name,
+                   data_dir=tmp_path / "d")
     assert ds.name == "books"
     assert ds.tokenizer.decode(ds.train) + ds.tokenizer.decode(ds.val) == "first book\n\nsecond book\n\nthird book\n"
 
@@ -215,19 +228,67 @@ def test_text_folder(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # idempotence, force, atomic writes
 
-def test_second_prepare_is_a_no_op_unless_forced_or_changed(small):
+def test_second_prepare_is_a_no_op_unless_forced(small):
     d, src = small
     before = snapshot(d / "small")
-    data.prepare("text", input=src, data_dir=d, progress=False)
+    again = data.prepare_dataset("text", input=src, data_dir=d, progress=False)
+    assert (again.path, again.written, again.meta) == (d / "small", False, data.load("small", data_dir=d).meta)
+    assert data.prepare("text", input=src, data_dir=d, progress=False) == d / "small"  # data.prepare: the folder
     assert snapshot(d / "small") == before
-    data.prepare("text", input=src, data_dir=d, force=True, progress=False)
+    forced = data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False)
     after = snapshot(d / "small")
+    assert forced.written and forced.meta == again.meta
     assert {k: v[2] for k, v in after.items()} == {k: v[2] for k, v in before.items()}  # same content
     assert after["train.bin"][0] != before["train.bin"][0]  # but written again
+
+
+def test_a_different_dataset_is_not_replaced_unless_forced(small, tmp_path):
+    d, src = small
+    before = snapshot(d / "small")
+    other = write(tmp_path / "other.txt", "other words entirely\n" * 30)
+    raises(lambda: data.prepare("text", input=other, out_name="small", data_dir=d, progress=False),
+           f"{d / 'small'} already holds a different dataset, text from {src}",
+           f"(its source is {src}, not {other}); pass --force to replace it, or give another --name")
+    raises(lambda: data.prepare("text", input=src, tokenizer="gpt2", data_dir=d, progress=False),
+           "its tokenizer is char, not gpt2", "--force")
+    src.write_text(src.read_text() + "one more line\n")  # the file changed since it was prepared
+    raises(lambda: data.prepare("text", input=src, data_dir=d, progress=False),
+           f"the text of {src} has changed since it was prepared", "--force", "--name")
+    assert snapshot(d / "small") == before  # refused three times, untouched
     old_hash = data.load("small", data_dir=d).meta["content_hash"]
-    src.write_text(src.read_text() + "one more line\n")  # the content changed: prepared again
-    data.prepare("text", input=src, data_dir=d, progress=False)
+    assert data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False).written
     assert data.load("small", data_dir=d).meta["content_hash"] != old_hash
+    assert data.prepare_dataset("text", input=other, out_name="small2", data_dir=d, progress=False).written
+
+
+def test_a_users_files_are_not_replaced(tmp_path):
+    src = write(tmp_path / "poem.txt", "".join(f"verse {i}\n" for i in range(30)))
+    d = tmp_path / "d"
+    write(d / "poem" / "notes.md", "my own notes")
+    raises(lambda: data.prepare("text", input=src, data_dir=d, progress=False),
+           f"{d / 'poem'} already holds files that are not a complete delta-gpt dataset", "--force", "--name")
+    assert (d / "poem" / "notes.md").read_text() == "my own notes"
+    write(d / "poem.bin", "a file, not a folder")  # a file is never replaced, even with force
+    raises(lambda: data.prepare("text", input=src, out_name="poem.bin", data_dir=d, force=True, progress=False),
+           f"{d / 'poem.bin'} is a file, not a dataset folder", "another name")
+    assert (d / "poem.bin").read_text() == "a file, not a folder"
+    (d / "empty").mkdir()  # an empty folder holds nothing to lose
+    assert data.prepare_dataset("text", input=src, out_name="empty", data_dir=d, progress=False).written
+    assert data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False).written  # asked
+    assert not (d / "poem" / "notes.md").exists()
+    assert sorted(p.name for p in d.iterdir()) == ["empty", "poem", "poem.bin"]
+
+
+def test_the_input_is_never_replaced(tmp_path):
+    """data/books as both the input folder and (its default name) the output: refused even with force."""
+    books = tmp_path / "books"
+    write(books / "a.txt", "first book\n" * 20)
+    for force in (False, True):
+        raises(lambda: data.prepare("text", input=books, data_dir=tmp_path, force=force, progress=False),
+               f"preparing into {books} would replace the input {books}", "another name")
+        raises(lambda: data.prepare("text", input=books / "a.txt", out_name="books", data_dir=tmp_path, force=force,
+                                    progress=False), f"would replace the input {books / 'a.txt'}")
+    assert sorted(p.name for p in books.iterdir()) == ["a.txt"]
 
 
 def test_shakespeare_prepare_is_a_no_op(shakespeare_dir):
@@ -258,8 +319,18 @@ def test_leftovers_of_a_killed_prepare_are_removed(small):
     d, src = small
     stale = d / ".small.tmp-999999999-abcd"  # no such process
     write(stale / "train.bin", b"\0\0")
+    write(d / ".small.old-999999998-abcd", b"a stale file")
     data.prepare("text", input=src, data_dir=d, force=True, progress=False)
     assert sorted(p.name for p in d.iterdir()) == ["small"]
+
+
+def test_a_prepare_killed_between_its_renames_gives_the_old_dataset_back(small):
+    d, src = small
+    before = snapshot(d / "small")
+    (d / "small").rename(d / ".small.old-999999999-abcd")  # killed after moving it aside, before the new one
+    write(d / ".small.tmp-999999999-abcd" / "train.bin", b"\0\0")
+    assert not data.prepare_dataset("text", input=src, data_dir=d, progress=False).written  # the old one is back
+    assert snapshot(d / "small") == before and sorted(p.name for p in d.iterdir()) == ["small"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,12 +341,12 @@ DOCS[7] = ""  # empty documents are skipped
 DOCS[9] = "a document that mentions <|endoftext|> as plain text"
 
 
-def fineweb(tmp_path, monkeypatch, shard, num_proc=1, max_tokens=10**9, val=500, docs=DOCS):
+def fineweb(tmp_path, monkeypatch, shard, num_proc=1, max_tokens=10**9, val=500, docs=DOCS, force=False):
     monkeypatch.setattr(D, "SHARD_TOKENS", shard)
     monkeypatch.setattr(D, "VAL_TOKENS", val)
     monkeypatch.setattr(D, "DOC_BATCH", 16)
     data.prepare("fineweb_edu", docs=iter(docs), max_tokens=max_tokens, num_proc=num_proc, data_dir=tmp_path,
-                 out_name=f"fw{shard}_{num_proc}", progress=False)
+                 out_name=f"fw{shard}_{num_proc}", force=force, progress=False)
     return data.load(f"fw{shard}_{num_proc}", data_dir=tmp_path)
 
 
@@ -300,8 +371,28 @@ def test_fineweb_documents(tmp_path, monkeypatch):
 def test_fineweb_max_tokens(tmp_path, monkeypatch):
     ds = fineweb(tmp_path, monkeypatch, shard=64, max_tokens=1234)
     assert len(ds.val) + len(ds.train) == 1234 and len(ds.val) >= 123  # val: at least 10% of max_tokens
-    raises(lambda: fineweb(tmp_path, monkeypatch, shard=64, val=10**6), "gave only", "larger --max-tokens")
+    raises(lambda: fineweb(tmp_path, monkeypatch, shard=64, val=10**6, force=True), "gave only", "larger --max-tokens")
     raises(lambda: data.prepare("fineweb_edu", docs=DOCS, max_tokens=1, data_dir=tmp_path), "--max-tokens")
+
+
+def test_fineweb_docs_never_replace_a_prepared_dataset(tmp_path, monkeypatch):
+    """docs= without out_name writes data/fineweb_edu, the real dataset's name: refused when it is there."""
+    calls = []
+    fake_datasets(monkeypatch, [{"text": d} for d in DOCS], calls)
+    real = data.prepare("fineweb_edu", max_tokens=2000, num_proc=1, data_dir=tmp_path, progress=False)
+    before = snapshot(real)
+    raises(lambda: data.prepare("fineweb_edu", docs=DOCS, max_tokens=2000, data_dir=tmp_path, progress=False),
+           f"{real} already holds a different dataset, fineweb_edu from HuggingFaceFW/fineweb-edu/sample-10BT",
+           "its source is HuggingFaceFW/fineweb-edu/sample-10BT, not documents given to data.prepare(docs=...)",
+           "--force", "--name")
+    raises(lambda: data.prepare("fineweb_edu", max_tokens=3000, data_dir=tmp_path, progress=False),
+           "its max_tokens is 2000, not 3000", "--force")
+    assert snapshot(real) == before and len(calls) == 1  # refused before streaming anything
+    mine = data.prepare("fineweb_edu", docs=DOCS, max_tokens=2000, out_name="mine", data_dir=tmp_path, progress=False)
+    raises(lambda: data.prepare("fineweb_edu", docs=DOCS, max_tokens=2000, out_name="mine", data_dir=tmp_path),
+           "documents given with docs= cannot be compared with it before they are read", "--force")
+    assert data.prepare_dataset("fineweb_edu", docs=DOCS, max_tokens=2000, out_name="mine", data_dir=tmp_path,
+                                force=True, progress=False).written and mine == tmp_path / "mine"
 
 
 def test_fineweb_interrupted_stream_leaves_nothing(tmp_path, monkeypatch):
@@ -409,7 +500,8 @@ def test_load_bad_meta(small):
     meta = d / "small" / "meta.json"
     meta.unlink()
     raises(lambda: data.load("small", data_dir=d), "meta.json is missing", "--force")
-    data.prepare("text", input=src, data_dir=d, progress=False)  # an incomplete dataset is prepared again
+    raises(lambda: data.prepare("text", input=src, data_dir=d, progress=False), "not a complete delta-gpt dataset")
+    data.prepare("text", input=src, data_dir=d, force=True, progress=False)  # as load's message says
     good = meta.read_text()
     meta.write_text("{not json")
     raises(lambda: data.load("small", data_dir=d), "meta.json is unreadable", "--force")
@@ -419,6 +511,10 @@ def test_load_bad_meta(small):
     train = d / "small" / "train.bin"
     train.write_bytes(train.read_bytes()[:-2])
     raises(lambda: data.load("small", data_dir=d), "train.bin has", "bytes but meta.json says", "--force")
+    raises(lambda: data.prepare("text", input=src, data_dir=d, progress=False),
+           f"{d / 'small'} already holds a damaged dataset (text from {src}", "--force")
+    assert data.prepare_dataset("text", input=src, data_dir=d, force=True, progress=False).written
+    data.load("small", data_dir=d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,3 +554,25 @@ def test_cli_prepares_text(tmp_path):
     r = cli("text", "--input", src, "--tokenizer", "gpt2", "--name", "poem", "--data-dir", tmp_path / "d")
     assert r.returncode == 0, r.stderr
     assert data.load("poem", data_dir=tmp_path / "d").meta["tokenizer"] == "gpt2"
+
+
+def test_cli_says_already_prepared_and_refuses_another_source(tmp_path):
+    """In-process through Typer: a second prepare says so; another source into the same name is one line, exit 1."""
+    import cli as cli_module
+    from typer.testing import CliRunner
+    src, other, d = write(tmp_path / "poem.txt", "verse\n" * 30), write(tmp_path / "other.txt", "prose\n" * 30), tmp_path / "d"
+
+    def invoke(*args):
+        return CliRunner().invoke(cli_module.app, ["prepare", "text", *map(str, args), "--data-dir", str(d)])
+    first, second = invoke("--input", src), invoke("--input", src)
+    assert first.exit_code == second.exit_code == 0, first.output + second.output
+    assert first.stdout.startswith(f"prepared {d / 'poem'} (text from {src}, char tokenizer")
+    assert second.stdout.startswith(f"{d / 'poem'} is already prepared (text from {src}, char tokenizer, ")
+    assert second.stdout.strip().endswith("tokens); pass --force to prepare it again")
+    refused = invoke("--input", other, "--name", "poem")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.exit_code == 1 and len(lines) == 1 and "Traceback" not in refused.output, refused.output
+    assert lines[0].startswith(f"error: {d / 'poem'} already holds a different dataset, text from {src}")
+    assert lines[0].endswith("pass --force to replace it, or give another --name")
+    forced = invoke("--input", other, "--name", "poem", "--force").stdout
+    assert forced.startswith(f"prepared {d / 'poem'} (text from {other}")
