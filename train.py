@@ -247,9 +247,12 @@ def parse_args(argv):
         negated = name.startswith("no_") and name[3:] in types
         key = name[3:] if negated else name
         kind = types.get(key)
-        if kind is not None and "bool" in kind and not value:  # --flag / --no-flag
-            overrides[key] = not negated
-            continue
+        if kind is not None and "bool" in kind and not value:  # --flag / --no-flag, or --flag true
+            if not negated and argv and argv[0].lower() in ("true", "false", "1", "0", "yes", "no"):
+                value = argv.pop(0)
+            else:
+                overrides[key] = not negated
+                continue
         if key not in types:
             close = difflib.get_close_matches(key, list(types), n=1)
             hint = f"; did you mean --{flag(close[0])}?" if close else ""
@@ -739,10 +742,11 @@ def use_compile(cfg, device):
 
 
 def wrap_model(cfg, model, world_size, device):
-    """What the loop calls: the model, compiled (default on CUDA) and wrapped for DDP over several processes."""
+    """What the loop calls: the model, compiled (default on CUDA) and wrapped for DDP over several processes
+    (FSDP's model is already sharded over them)."""
     if use_compile(cfg, device):
         model = torch.compile(model)
-    if world_size > 1:
+    if world_size > 1 and not cfg.fsdp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
 
