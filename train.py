@@ -755,11 +755,10 @@ def wrap_model(cfg, model, world_size, device):
 # the run: FSDP2 sharding, and checkpoints gathered into today's one-file format
 
 def check_fsdp(cfg):
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401  (public since PyTorch 2.6)
-    except ImportError:
+    import torch.distributed.fsdp
+    if not hasattr(torch.distributed.fsdp, "fully_shard"):  # public since PyTorch 2.6
         raise ConfigError(f"--fsdp needs PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard, PyTorch 2.6 or "
-                          f"newer); this is {torch.__version__}: upgrade torch or train with DDP") from None
+                          f"newer); this is {torch.__version__}: upgrade torch or train with DDP")
     if cfg.dtype == "float16":
         raise ConfigError("--fsdp shards gradients, which float16's gradient scaler cannot unscale; "
                           "use --dtype bfloat16 (or float32)")

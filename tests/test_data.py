@@ -538,6 +538,7 @@ def assert_fails(result, *fragments):
         assert f in lines[0], (f, lines[0])
 
 
+@pytest.mark.slow  # subprocesses
 def test_cli_bad_inputs(tmp_path):
     assert_fails(cli("tiny_stories", "--data-dir", tmp_path), "unknown dataset 'tiny_stories'")
     assert_fails(cli("text", "--input", tmp_path / "missing.txt", "--data-dir", tmp_path), "does not exist")
@@ -549,6 +550,7 @@ def test_cli_bad_inputs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt", "e.txt"]
 
 
+@pytest.mark.slow  # subprocesses
 def test_cli_prepares_text(tmp_path):
     src = write(tmp_path / "poem.txt", "".join(f"verse {i}\n" for i in range(30)))
     r = cli("text", "--input", src, "--tokenizer", "gpt2", "--name", "poem", "--data-dir", tmp_path / "d")

@@ -13,7 +13,7 @@ import torch
 import data
 import train as T
 from conftest import ROOT
-from delta_gpt import GPT, GPTConfig, RESIDUALS, Router
+from delta_gpt import GPT, GPTConfig, RESIDUALS
 
 
 def cfg_for(tiny_data, out_dir, **kw):
@@ -126,6 +126,7 @@ print(statistics.median(faults[5:]))  # once warm
 """
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (Linux)")
 def test_keep_freed_memory_stops_the_page_faults_of_each_step():
     """In a process of its own (the setting is process-wide): once warm, CPU training steps reuse freed
@@ -164,6 +165,7 @@ def test_checkpoint_write_crash_keeps_previous(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary file left
 
 
+@pytest.mark.slow  # a subprocess
 def test_sigint_writes_a_loadable_checkpoint_and_resumes(tiny_data, tmp_path):
     out = tmp_path / "run"
     args = cli_args(tiny_data, out, max_iters=100000, lr_decay_iters=100000, ckpt_interval=100000, eval_interval=100000)
@@ -304,6 +306,7 @@ def test_unknown_preset():
         T.make_config("huge")
 
 
+@pytest.mark.slow  # a subprocess
 def test_bad_option_on_the_command_line_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--max-iter", "5"], capture_output=True, text=True,
                        cwd=tmp_path)
@@ -501,6 +504,7 @@ def test_a_second_training_into_a_busy_run_directory_is_refused(tiny_data, tmp_p
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))  # free again once released
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_killed_run_leaves_no_stale_lock(tiny_data, tmp_path):
     code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import train; "
             "lock = train.RunLock(sys.argv[2], True); print('locked', flush=True); time.sleep(60)")
