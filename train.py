@@ -364,8 +364,9 @@ def routing_stats(model, ds, n_batches, batch_size, ctx=contextlib.nullcontext()
     device, training = next(model.parameters()).device, model.training
     model.eval()
     X = torch.cat([eval_batch(ds, "val", k, batch_size, model.config.block_size, device)[0] for k in range(n_batches)])
+    import report  # the statistics live beside the tables and pictures
     with ctx:
-        stats = model.routing_stats(X)
+        stats = report.routing_stats(model, X)
     model.train(training)
     return stats
 
