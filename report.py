@@ -138,7 +138,7 @@ def draw_routing(reports, path):
         im = ax.imshow(weights, cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
         ax.set_title(f"{label}: mean routing weight")
         ax.set_xticks(range(width), stats["source_names"][:width], fontsize=7)
-        ax.set_xlabel("source")
+        ax.set_xlabel("source (e = embedding)")
         ax.set_ylabel("routed sublayer")
         ax.set_yticks(range(len(rows)), [r["name"] for r in rows], fontsize=7)
         fig.colorbar(im, ax=ax, fraction=0.046).set_label("mean routing weight alpha")
