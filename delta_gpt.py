@@ -244,6 +244,7 @@ class Block(nn.Module):
             return checkpoint(lambda u: f(ln(u), *args), u, use_reentrant=False)
         return f(ln(u), *args)
 
+
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -257,8 +258,7 @@ class GPTConfig:
     n_route_blocks: Optional[int] = None # N blocks of 2*n_layer/N sublayers; None: 4 (attnres, delta_block), 2*n_layer (delta)
     route_partial: Optional[bool] = None # route the current block's partial sum too; None: True (attnres, delta), False (delta_block)
     route_sources: Optional[str] = None # "delta" (block sums) or "cumulative" (stream snapshots); None: "delta"
-    fast_routing: bool = True # route with the fast path (the file's last section); False: Router and Stream as
-                              # written. Not part of the architecture: the same numbers and weights either way
+    fast_routing: bool = True # True: the fast path (the file's last section); False: Router and Stream as written. Not architecture
 
     def __post_init__(self):
         """Check the fields and fill in each mode's defaults; a bad value is one clear ValueError."""
