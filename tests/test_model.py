@@ -506,13 +506,6 @@ def test_recompute_gives_identical_gradients_and_saves_less(residual):
     assert saved_bytes(model, idx) < 0.7 * full
 
 
-def test_recompute_is_off_without_grad():
-    model = recompute_(model_of(tiny("delta"), queries=1.0))
-    with torch.no_grad():
-        out = model.hidden(idx_batch())
-    torch.testing.assert_close(out, recompute_(model, False).hidden(idx_batch()).detach(), atol=0, rtol=0)
-
-
 @pytest.mark.compile
 def test_compiled_recompute_gives_eager_gradients():
     model = model_of(tiny("delta", n_layer=2), queries=1.0)
