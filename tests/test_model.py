@@ -78,6 +78,16 @@ def logits_and_grads(model, idx):
                     for n, p in model.named_parameters()}
 
 
+def router_inputs(n=3, B=2, T=3, D=8, dtype=torch.float64):
+    torch.manual_seed(0)
+    router = Router(D).to(dtype)
+    with torch.no_grad():
+        router.query.normal_(0, 1.0)
+        router.norm.weight.uniform_(0.5, 1.5)
+    sources = [(torch.randn(B, T, D, dtype=dtype) * (i + 1)).requires_grad_() for i in range(n)]
+    return router, sources
+
+
 def saved_bytes(model, idx):
     """Bytes of the tensors autograd saves for backward in one forward+backward, each storage once,
     parameters left out."""
@@ -152,6 +162,29 @@ def test_zero_init_loss_equal_at_gpt2_init():
     assert max(additive) < 1e-3 < replacement
 
 
+# ---------------------------------------------------------------- the router is its formula, its weights a simplex
+
+def test_router_is_its_formula():
+    """Router: alpha = softmax_i(w . RMSNorm_g(s_i)), read = sum_i alpha_i s_i, written out per source."""
+    router, sources = router_inputs(n=3)
+    read, alpha = router(sources)
+    logits = torch.stack([(F.rms_norm(s, (8,), eps=1e-6) * router.norm.weight) @ router.query for s in sources], -1)
+    torch.testing.assert_close(alpha, logits.softmax(-1))
+    torch.testing.assert_close(read, sum(alpha[..., i:i + 1] * s for i, s in enumerate(sources)))
+
+
+@pytest.mark.parametrize("residual", ROUTED)
+def test_routing_weights_are_a_simplex(residual):
+    model = model_of(tiny(residual), queries=2.0)
+    record = []
+    with torch.no_grad():
+        model.hidden(idx_batch(), record=record)
+    assert [alpha.size(-1) for _, alpha in record] == model.sources_per_router()
+    for sources, alpha in record:
+        assert len(sources) == alpha.size(-1) and (alpha >= 0).all()
+        torch.testing.assert_close(alpha.sum(-1), torch.ones(alpha.shape[:-1]))
+
+
 # ---------------------------------------------------------------- the sources are the stream's pieces
 
 def record_run(model, idx):
@@ -220,38 +253,7 @@ def test_delta_block_with_N_equal_S_is_delta():
     torch.testing.assert_close(block(idx)[0], delta(idx)[0], atol=0, rtol=0)
 
 
-def test_router_is_its_formula():
-    """Router: alpha = softmax_i(w . RMSNorm_g(s_i)), read = sum_i alpha_i s_i, written out per source."""
-    router, sources = router_inputs(n=3)
-    read, alpha = router(sources)
-    logits = torch.stack([(F.rms_norm(s, (8,), eps=1e-6) * router.norm.weight) @ router.query for s in sources], -1)
-    torch.testing.assert_close(alpha, logits.softmax(-1))
-    torch.testing.assert_close(read, sum(alpha[..., i:i + 1] * s for i, s in enumerate(sources)))
-
-
-@pytest.mark.parametrize("residual", ROUTED)
-def test_routing_weights_are_a_simplex(residual):
-    model = model_of(tiny(residual), queries=2.0)
-    record = []
-    with torch.no_grad():
-        model.hidden(idx_batch(), record=record)
-    assert [alpha.size(-1) for _, alpha in record] == model.sources_per_router()
-    for sources, alpha in record:
-        assert len(sources) == alpha.size(-1) and (alpha >= 0).all()
-        torch.testing.assert_close(alpha.sum(-1), torch.ones(alpha.shape[:-1]))
-
-
 # ---------------------------------------------------------------- the fast path computes the plain path's numbers
-
-def router_inputs(n=3, B=2, T=3, D=8, dtype=torch.float64):
-    torch.manual_seed(0)
-    router = Router(D).to(dtype)
-    with torch.no_grad():
-        router.query.normal_(0, 1.0)
-        router.norm.weight.uniform_(0.5, 1.5)
-    sources = [(torch.randn(B, T, D, dtype=dtype) * (i + 1)).requires_grad_() for i in range(n)]
-    return router, sources
-
 
 def fast_logits(Q, sources):
     """The logits the fast stream hands RouteRead: each source's Score against one folded query Q (1, D)."""
