@@ -95,5 +95,6 @@ def compare(modes, seeds, preset=None, overrides=None, out="runs/compare", overw
     R.save_json(dict(rows=rows, runs=runs), out / "compare.json")
     (out / "compare.md").write_text(table + "\n")
     cfg = configs[0]
-    R.draw_curves(curves, out / "curves.png")
+    R.draw_curves(curves, out / "curves.png", title=f"validation loss: preset {cfg.preset}, {cfg.dataset}, "
+                                                    f"{cfg.max_iters} steps, seeds {', '.join(map(str, seeds))}")
     return table

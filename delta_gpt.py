@@ -14,8 +14,12 @@ A sublayer's router holds a zero-initialised pseudo-query w and an RMSNorm gain 
 The sources are the pieces of the residual stream: the embedding e and the sublayer outputs v_1..v_{k-1},
 or their sums over blocks of sublayers. They telescope (sum to x_{k-1}) in attnres, delta and delta_block
 with route_partial, so with all queries at zero those compute the baseline's function (LayerNorm is scale
-invariant); plain delta_block and route_sources="cumulative" do not. The code follows nanoGPT's model.py,
-names included; the project's SPEC.md section 2 is the full definition.
+invariant); plain delta_block and route_sources="cumulative" do not. docs/method.md states the method in
+full. The code follows nanoGPT's model.py, names included.
+
+Read top-down: LayerNorm, attention, MLP, the Router, the Stream (where the four modes differ), Block,
+GPTConfig, GPT. The file's last section is a fast path for routing (the same numbers, activation memory
+linear in depth, fewer passes), on by default (GPTConfig.fast_routing); a first reading can skip it.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -26,17 +30,18 @@ References:
 import contextlib
 import inspect
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 RESIDUALS = ("baseline", "attnres", "delta", "delta_block")
 ROUTE_SOURCES = ("delta", "cumulative")
 ROUTE_EPS = 1e-6  # RMSNorm eps of the router keys
-
+GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the Hugging Face GPT-2 weights from_pretrained loads
 
 class LayerNorm(nn.Module):
     """LayerNorm but with an optional bias. PyTorch doesn't support simply bias=False"""
@@ -124,41 +129,18 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Depth-wise attention over a sublayer's sources: alpha_i = softmax_i(w . RMSNorm_g(s_i)),
-    read = sum_i alpha_i * s_i.
-
-    Since w . RMSNorm_g(s) = ((w * g) . s) / rms(s), a source enters the logits only through its score
-    against the folded query w * g. The Stream scores each source once, against all routers' folded
-    queries together, when the source is born (Score); the fast path then takes the softmax and
-    the weighted sum (RouteRead). The reference path (fast = False) is the formula as written, from the
-    sources alone. Tests hold the two equal, gradients included.
-    """
-
-    fast = True  # False (on the class or one router): the reference path
-    index = 0    # this router's place among the model's routers: its row in the Stream's scores
+    """Attention over depth: a sublayer's weighted read of its sources s_1..s_n (each (B, T, D)),
+        alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
+    per token, with no 1/sqrt(D) and no temperature. w starts at zero (uniform weights), g at one.
+    Logits and softmax run in float32 (float64 in a float64 model), also under bf16/fp16 autocast."""
 
     def __init__(self, n_embd):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(n_embd))  # w, zero-init: uniform weights at init
         self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # its weight is the key gain g
 
-    def forward(self, sources, logits, base=None, hand_on=False):
-        """sources: n tensors (B, T, D); logits: (n, B, T) float32, each source's score for this router;
-        base: None, or x (B, T, D) to add the read to (additive routing). Returns base + read (B, T, D),
-        alpha (B, T, n) in float32, and the sources to hand on to the next router: with hand_on (the
-        Stream's own use), RouteRead's aliases, which only the next router may consume; else the sources
-        as they are."""
-        if not self.fast:
-            read, alpha = self.forward_reference(sources)
-            return read if base is None else base + read, alpha, sources
-        if len(sources) == 1:  # alpha = 1 whatever the logit: the read is the source itself
-            alpha = torch.ones_like(logits).movedim(0, -1)
-            return sources[0] if base is None else base + sources[0], alpha, sources
-        hand_on = hand_on and not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
-        read, alpha, *handed_on = RouteRead.apply(hand_on, base, logits, *sources)
-        return read, alpha.movedim(0, -1), handed_on or sources
-
-    def forward_reference(self, sources):
+    def forward(self, sources):
+        """sources: n tensors (B, T, D) -> read (B, T, D) in the first source's dtype, alpha (B, T, n)."""
         with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
             s = torch.stack([upcast(s) for s in sources], dim=-2)    # (B, T, n, D)
             keys = F.rms_norm(s, s.shape[-1:], upcast(self.norm.weight), ROUTE_EPS)  # RMSNorm_g(s_i)
@@ -167,170 +149,52 @@ class Router(nn.Module):
         return read.to(sources[0].dtype), alpha
 
 
-class RouteRead(torch.autograd.Function):
-    """The router's fast path: base + sum_i alpha_i s_i with alpha = softmax_i(logits), logits (n, B, T).
-
-    Forward and backward loop over the sources in place instead of stacking copies of them, and only
-    references to the sources (alive anyway) and alpha (n, B, T) are saved: activation memory stays
-    linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
-
-    Each source is also handed on, as an alias, to the next router, its only consumer: the gradient that
-    comes back for an alias is the sum of the later routers' alpha_i * g (a tensor only this chain
-    holds), and this router adds its own share into it in place. So each source's routing gradient is
-    one tensor accumulated along the chain of routers: one multiply-add pass per (router, source) pair,
-    where autograd would make a new product tensor and then add it. Under torch.compile
-    (hand_on=False) the aliases are left out and autograd sums as usual.
-    """
-
-    @staticmethod
-    def forward(ctx, hand_on, base, logits, *sources):
-        alpha = logits.softmax(dim=0)             # (n, B, T); over a leading dim: PyTorch's faster kernel for small n
-        a = alpha.unsqueeze(-1).unbind(0)         # n views alpha_i, (B, T, 1)
-        s0 = upcast(sources[0])
-        read = a[0] * s0 if base is None else torch.addcmul(upcast(base), a[0], s0)
-        for a_i, s in zip(a[1:], sources[1:]):
-            read.addcmul_(a_i, s)
-        ctx.save_for_backward(alpha, *sources)
-        ctx.mark_non_differentiable(alpha)
-        ctx.set_materialize_grads(False)
-        dtype = sources[0].dtype if base is None else torch.promote_types(base.dtype, sources[0].dtype)
-        # a source returned as it is comes out as an alias of it (autograd makes the view)
-        return (read if read.dtype == dtype else read.to(dtype), alpha, *(sources if hand_on else ()))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad, _, *handed_on_grads):
-        alpha, *sources = ctx.saved_tensors
-        later = handed_on_grads or [None] * len(sources)  # the later routers' gradients (none without hand_on)
-        if grad is None:  # the read itself was not used: only the handed-on gradients pass through
-            return (None, None, None, *later)
-        g_base = grad if ctx.needs_input_grad[1] else None
-        g = upcast(grad)
-        g_alpha = torch.empty_like(alpha)         # g . s_i, (n, B, T)
-        prod = torch.empty_like(g)                # one buffer for the products g * s_i
-        for g_alpha_i, s in zip(g_alpha.unbind(0), sources):
-            torch.sum(torch.mul(g, s, out=prod), dim=-1, out=g_alpha_i)
-        g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(0))  # softmax backward
-        g_sources = []
-        for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(0), sources, later):
-            g_sources.append((a_i * g).to(s.dtype) if g_later is None else accumulate(g_later, a_i, g))
-        return (None, g_base, g_logits, *g_sources)
-
-
-def accumulate(total, weight, g):
-    """total + weight * g, in place when total is dense, as the next fast router's gradient always is;
-    a reference router in between hands back a view of its stacked gradient."""
-    if not total.is_contiguous():
-        return torch.addcmul(total, weight, g).to(total.dtype)
-    return total.addcmul_(weight, g)
-
-
-class Score(torch.autograd.Function):
-    """A source's routing logit for every router at once: score = (Q @ s^T) * r with r = 1/rms(s),
-    (R, D) x (B, T, D) -> (R, B, T) in float32, for the folded queries Q. One matmul per source instead
-    of a dot product per (source, router), and one autograd node with the backward written out:
-        dL/ds = (g * r)^T @ Q - c * s,   c = r^2 * sum_j g_j score_j / D   (from dr/ds = -r^3 s / D)
-        dL/dQ = (g * r) @ s
-    A bf16 source is saved as it is, not again as a float32 copy.
-    """
-
-    @staticmethod
-    def forward(ctx, s, Q):
-        with float32_only(s):
-            norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, Q.dtype))  # |s|, (B, T)
-            r = norm.square_().div_(s.size(-1)).add_(ROUTE_EPS).rsqrt_()       # 1 / rms(s), (B, T)
-            score = (Q @ upcast(s).view(-1, s.size(-1)).t()).view(-1, *r.shape).mul_(r)  # (R, B*T) -> (R, B, T)
-        ctx.save_for_backward(s, Q, r, score)
-        return score
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        s, Q, r, score = ctx.saved_tensors
-        with float32_only(s):
-            gr = g * r                                                         # (R, B, T)
-            c = (gr * score).sum(0).mul_(r).div_(s.size(-1))                   # (B, T)
-            s32 = upcast(s)
-            gr = gr.view(gr.size(0), -1)                                       # (R, B*T)
-            g_s = (gr.t() @ Q).view(s.shape).addcmul_(c.unsqueeze(-1), s32, value=-1).to(s.dtype) if ctx.needs_input_grad[0] else None
-            g_Q = gr @ s32.view(-1, s.size(-1)) if ctx.needs_input_grad[1] else None
-        return g_s, g_Q
-
-
-def float32_only(t):
-    """Autocast off (for the routing math in float32) when it is on; else nothing, which is cheaper."""
-    if torch.is_autocast_enabled(t.device.type):
-        return torch.autocast(t.device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def folded_queries(routers):
-    """Every router's folded query w * g, (R, D) in float32: one product for all of them."""
-    return upcast(torch.stack([r.query for r in routers])) * upcast(torch.stack([r.norm.weight for r in routers]))
-
-
 def upcast(t):
     """t in float32 (or float64 if it is): routing logits and softmax never run in bf16/fp16."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 class Stream:
-    """The residual stream of one forward pass: what sublayer k reads (u_k) and where its output goes.
+    """The residual stream of one forward pass: what sublayer k reads (u_k) and where its output v_k goes.
 
     `read(router)` gives u_k, `write(v)` takes v_k. The four modes differ only here:
       baseline     u_k = x_{k-1}                        (router is None)
       additive     u_k = x_{k-1} + read(sources)        delta, delta_block
       replacement  u_k = read(sources)                  attnres; a final router then reads all sources
-    Sources: [e, b_1, ..., b_{m-1}] (completed blocks, each the sum of its sublayers' v) plus the partial
-    sum p of the current block when it is routed and non-empty. Per sublayer (N = S) each v is a block.
-    route_sources = "cumulative" swaps each source for the stream's value at that boundary.
-    Each source is scored against every router's folded query (R, D) once, when it is born.
+    The sources are e and the completed blocks b_1, b_2, ... (each the sum of its sublayers' v's; per
+    sublayer, N = S, each v is a block), plus the partial sum of the current block when it is routed and
+    non-empty. route_sources="cumulative" swaps each source for the stream's value x at that boundary.
     """
 
-    def __init__(self, e, config, queries=None, record=None):
+    def __init__(self, e, config, record=None):
         self.additive = config.residual in ("baseline", "delta", "delta_block")
-        self.x = e if self.additive else None                  # the running stream x_{k-1}
-        self.n_sublayers = 2 * config.n_layer
+        self.routed = config.residual != "baseline"
+        self.x = e if self.additive else None                  # the running stream x_{k-1}; replacement has none
+        self.n_sublayers = config.n_sublayers
         self.block_len = self.n_sublayers // (config.n_route_blocks or 1)  # sublayers per block
         self.route_partial = config.route_partial
         self.cumulative = config.route_sources == "cumulative"
-        self.queries = queries                                 # (R, D) folded queries; None for baseline
-        self.sources = []                                      # e, then the completed blocks
-        self.handed_on = []                                    # the same, as the last router handed them on
-        self.scores = None                                     # (R, n, B, T): each source's logit for each router
+        self.record = record                                   # a list to collect (sources, alpha) for stats
+        self.blocks = []                                       # e, then each completed block's source
         self.partial = None                                    # sum of the current block's v's
         self.k = 0                                             # sublayers written so far
-        self.record = record                                   # a list to collect (sources, alpha) for stats
-        if queries is not None:
-            self.add_source(e)
+        if self.routed:
+            self.add_block(e)
 
-    def add_source(self, s):
-        self.sources.append(s)
-        self.handed_on.append(s)
-        self.scores = self.with_scores_of(s)
-
-    def with_scores_of(self, s):
-        score = Score.apply(s, self.queries).unsqueeze(1)  # (R, 1, B, T)
-        return score if self.scores is None else torch.cat([self.scores, score], dim=1)
-
-    def current_sources(self, router):
-        """The sources router reads now, and their logits for it (n, B, T)."""
-        sources, scores = list(self.handed_on), self.scores
-        if self.partial is not None and self.route_partial:
-            p = self.sources[-1] + self.partial if self.cumulative else self.partial
-            sources.append(p)
-            scores = self.with_scores_of(p)
-        return sources, scores[router.index]
+    def sources(self):
+        """The sources a router reads now: e and the completed blocks, plus the partial sum if routed."""
+        if self.partial is None or not self.route_partial:
+            return list(self.blocks)
+        return self.blocks + [self.blocks[-1] + self.partial if self.cumulative else self.partial]
 
     def read(self, router):
         if router is None:
             return self.x
-        sources, logits = self.current_sources(router)
-        u, alpha, handed_on = router(sources, logits, base=self.x if self.additive else None, hand_on=True)
-        self.handed_on = handed_on[:len(self.sources)]  # a partial is read once: not handed on
-        if self.record is not None:  # the sources themselves: the aliases stay inside the router chain
-            self.record.append((self.sources + sources[len(self.sources):], alpha))
-        return u
+        sources = self.sources()
+        read, alpha = router(sources)
+        if self.record is not None:
+            self.record.append((sources, alpha))
+        return self.x + read if self.additive else read
 
     def write(self, v):
         self.k += 1
@@ -338,12 +202,15 @@ class Stream:
             self.x = self.x + v
             if self.k == self.n_sublayers:  # x_S is complete: no router reads the last block
                 return
-        if self.queries is None:
+        if not self.routed:
             return
         self.partial = v if self.partial is None else self.partial + v
         if self.k % self.block_len == 0:  # block complete: its sum becomes a source (the last for attnres's final router)
-            self.add_source(self.sources[-1] + self.partial if self.cumulative else self.partial)
+            self.add_block(self.blocks[-1] + self.partial if self.cumulative else self.partial)
             self.partial = None
+
+    def add_block(self, s):
+        self.blocks.append(s)
 
     def output(self, final_router):
         """x_S for the additive modes; for replacement routing the final router's read of all sources."""
@@ -363,11 +230,19 @@ class Block(nn.Module):
         routed = config.residual != "baseline"
         self.attn_router = Router(config.n_embd) if routed else None
         self.mlp_router = Router(config.n_embd) if routed else None
+        self.recompute = False  # True: activation checkpointing, each f(LN(u)) runs again in backward
 
     def forward(self, stream, kv=None):
-        stream.write(self.attn(self.ln_1(stream.read(self.attn_router)), kv))
-        stream.write(self.mlp(self.ln_2(stream.read(self.mlp_router))))
+        stream.write(self.sublayer(self.attn, self.ln_1, stream.read(self.attn_router), kv))
+        stream.write(self.sublayer(self.mlp, self.ln_2, stream.read(self.mlp_router)))
         return stream
+
+    def sublayer(self, f, ln, u, *args):
+        """v = f(LN(u)). With recompute (and grad enabled) its activations are not kept for backward but
+        computed again there; routing and the stream are not recomputed."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(lambda u: f(ln(u), *args), u, use_reentrant=False)
+        return f(ln(u), *args)
 
 
 @dataclass
@@ -383,7 +258,7 @@ class GPTConfig:
     n_route_blocks: Optional[int] = None # N blocks of 2*n_layer/N sublayers; None: 4 (attnres, delta_block), 2*n_layer (delta)
     route_partial: Optional[bool] = None # route the current block's partial sum too; None: True (attnres, delta), False (delta_block)
     route_sources: Optional[str] = None # "delta" (block sums) or "cumulative" (stream snapshots); None: "delta"
-    fast_routing: bool = True # the fused routing path; same numbers as the plain one, not part of the architecture
+    fast_routing: bool = True # True: the fast path (the file's last section); False: Router and Stream as written. Not architecture
 
     def __post_init__(self):
         """Check the fields and fill in each mode's defaults; a bad value is one clear ValueError."""
@@ -392,6 +267,8 @@ class GPTConfig:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.fast_routing not in (True, False):
+            raise ValueError(f"fast_routing={self.fast_routing!r} must be True or False")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         if self.n_embd % self.n_head != 0:
@@ -454,8 +331,6 @@ class GPT(nn.Module):
         if config.residual == "attnres":  # replacement routing: the output is itself a read of all sources
             self.transformer.final_router = Router(config.n_embd)
         self.routers = [m for m in self.modules() if isinstance(m, Router)]  # in sublayer order, final last
-        for i, router in enumerate(self.routers):
-            router.index = i
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # with weight tying when using torch.compile() some warnings get generated:
         # "UserWarning: functional_call was passed multiple values for tied weights.
@@ -496,7 +371,7 @@ class GPT(nn.Module):
     def hidden(self, idx, kv_cache=None, record=None):
         """Token ids (B, T) -> final hidden states ln_f(output) (B, T, D).
         kv_cache: a list of per-layer [k, v] lists, filled and extended by generation.
-        record: a list that collects every router's (sources, alpha), for routing statistics."""
+        record: a list that collects every router's (sources, alpha (B, T, n)), in order, for routing statistics."""
         device = idx.device
         b, t = idx.size()
         past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
@@ -508,8 +383,11 @@ class GPT(nn.Module):
         # forward the GPT model itself
         tok_emb = self.transformer.wte(idx) # token embeddings of shape (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos) # position embeddings of shape (t, n_embd)
-        queries = folded_queries(self.routers) if self.routers else None
-        stream = Stream(self.transformer.drop(tok_emb + pos_emb), self.config, queries, record)
+        e = self.transformer.drop(tok_emb + pos_emb)
+        if self.config.fast_routing:  # the same numbers, computed the fast way (the file's last section)
+            stream = FastStream(e, self.config, self.routers, record)
+        else:
+            stream = Stream(e, self.config, record)
         for i, block in enumerate(self.transformer.h):
             block(stream, kv_cache[i] if kv_cache is not None else None)
         return self.transformer.ln_f(stream.output(getattr(self.transformer, "final_router", None)))
@@ -525,41 +403,6 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
-    @torch.no_grad()
-    def routing_stats(self, idx):
-        """Routing statistics on a batch (B, T), per routed sublayer in order (the final router last):
-        n sources, max_weight (mean over tokens of max_i alpha_i; uniform gives 1/n), entropy (H / log n),
-        mean_weight (mean alpha per source), adj_cos (mean cosine similarity of adjacent sources).
-        Averages leave out sublayers with one source; deep_* average the deeper half of the sublayers."""
-        if self.config.residual == "baseline":
-            raise ValueError("a baseline model has no routing to report; train or convert a routed model "
-                             "(--residual attnres, delta or delta_block)")
-        record = []
-        self.hidden(idx, record=record)
-        S = self.config.n_sublayers
-        names = [f"h.{i}.{kind}" for i in range(self.config.n_layer) for kind in ("attn", "mlp")] + ["final"]
-        rows = []
-        for k, (name, (sources, alpha)) in enumerate(zip(names, record), start=1):
-            n = alpha.size(-1)
-            entropy = -(alpha * alpha.clamp_min(1e-30).log()).sum(-1)  # (B, T)
-            cos = [F.cosine_similarity(a.float(), b.float(), dim=-1).mean().item() for a, b in zip(sources, sources[1:])]
-            rows.append(dict(
-                name=name, index=k, n=n, uniform=1.0 / n,
-                max_weight=alpha.max(-1).values.mean().item(),
-                entropy=(entropy / math.log(n)).mean().item() if n > 1 else float("nan"),
-                mean_weight=alpha.mean(dim=(0, 1)).tolist(),
-                adj_cos=sum(cos) / len(cos) if cos else float("nan"),
-            ))
-        multi = [r for r in rows if r["n"] > 1]
-        deep = [r for r in multi if r["index"] > S // 2]
-        mean = lambda rs, key: sum(r[key] for r in rs) / len(rs) if rs else float("nan")
-        return dict(
-            sublayers=rows,
-            mean_max_weight=mean(multi, "max_weight"), mean_entropy=mean(multi, "entropy"),
-            deep_max_weight=mean(deep, "max_weight"), deep_entropy=mean(deep, "entropy"),
-            mean_adj_cos=mean(multi, "adj_cos"),
-        )
-
     def crop_block_size(self, block_size):
         # model surgery to decrease the block size if necessary
         # e.g. we may load the GPT2 pretrained model checkpoint (block size 1024)
@@ -573,11 +416,10 @@ class GPT(nn.Module):
         """HF GPT-2 weights (gpt2, gpt2-medium, gpt2-large, gpt2-xl) into any residual mode; routing starts
         at zero init, so the routed modes that are exact at init reproduce GPT-2. Needs `transformers` and
         the internet (or its local cache)."""
-        models = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-        if model_type not in models:
-            raise ValueError(f"unknown GPT-2 model {model_type!r}; choose one of {', '.join(models)}")
+        if model_type not in GPT2_MODELS:
+            raise ValueError(f"unknown GPT-2 model {model_type!r}; choose one of {', '.join(GPT2_MODELS)}")
         override_args = dict(override_args or {})
-        allowed = {"dropout", "residual", "n_route_blocks", "route_partial", "route_sources"}
+        allowed = {"dropout", "residual", "n_route_blocks", "route_partial", "route_sources", "fast_routing"}
         if set(override_args) - allowed:
             raise ValueError(f"from_pretrained can override only {', '.join(sorted(allowed))}")
         try:
@@ -743,6 +585,158 @@ def is_routing_key(name):
     return "_router." in name
 
 
-def config_fields():
-    """The GPTConfig field names (the model architecture), for checkpoints and CLI overrides."""
-    return [f.name for f in fields(GPTConfig)]
+# ================================================================================================
+# The fast path for routing (GPTConfig.fast_routing, on by default). The same numbers as Router and
+# Stream above (tests/test_model.py holds them equal, gradients included), computed so that activation
+# memory stays linear in depth and each source costs fewer passes over memory. A first reading can
+# skip this section: the method is all above.
+#
+# Router above stacks its n sources, so autograd keeps a stacked copy per sublayer: O(S^2 * B*T*D)
+# floats over the model. Here instead:
+#  - w . RMSNorm_g(s) = ((w * g) . s) / rms(s): a source enters the logits only through its score
+#    against the folded query w * g. Each source is scored once, when it is born, against every
+#    router's folded query in one matmul (Score); the stream keeps these scores as a bank (R, n, B, T).
+#  - RouteRead takes the softmax and the weighted sum (added straight onto x in the additive modes),
+#    looping over the sources in place and saving only references to them (alive anyway) and alpha.
+#  - Each source is handed on from router to router as an alias, so its routing gradient is one tensor
+#    that each router adds its share into in place (see RouteRead).
+# ================================================================================================
+
+class FastStream(Stream):
+    """Stream with the same reads and writes, routed with the score bank and RouteRead. The routers are
+    read in the model's order (sublayers, then attnres's final router): router j's logits are row j."""
+
+    def __init__(self, e, config, routers, record=None):
+        self.routers = routers
+        self.queries = folded_queries(routers) if routers else None  # (R, D)
+        self.scores = None                                     # (R, n, B, T): each source's logit for each router
+        self.handed_on = []                                    # the blocks, as the last router handed them on
+        self.reads = 0                                         # routers read so far
+        super().__init__(e, config, record)
+
+    def add_block(self, s):
+        super().add_block(s)
+        self.handed_on.append(s)
+        self.scores = self.with_scores_of(s)
+
+    def with_scores_of(self, s):
+        score = Score.apply(s, self.queries).unsqueeze(1)  # (R, 1, B, T)
+        return score if self.scores is None else torch.cat([self.scores, score], dim=1)
+
+    def read(self, router):
+        if router is None:
+            return self.x
+        assert router is self.routers[self.reads], "routers must be read in the model's order"
+        sources = self.sources()
+        partial = sources[len(self.blocks):]  # [p] when the partial sum is routed, else []
+        scores = self.with_scores_of(partial[0]) if partial else self.scores
+        logits = scores[self.reads]                             # (n, B, T)
+        self.reads += 1
+        base = self.x if self.additive else None
+        if len(sources) == 1:  # alpha = 1 whatever the logit: the read is the source itself
+            alpha = torch.ones_like(logits).movedim(0, -1)
+            u = sources[0] if base is None else base + sources[0]
+        else:
+            hand_on = not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
+            u, alpha, *handed_on = RouteRead.apply(hand_on, base, logits, *self.handed_on, *partial)
+            alpha = alpha.movedim(0, -1)
+            if handed_on:
+                self.handed_on = handed_on[:len(self.blocks)]  # a partial is read once: not handed on
+        if self.record is not None:  # the sources themselves: the aliases stay inside the router chain
+            self.record.append((sources, alpha))
+        return u
+
+
+class RouteRead(torch.autograd.Function):
+    """base + sum_i alpha_i s_i with alpha = softmax_i(logits), logits (n, B, T); base None or x (B, T, D).
+
+    Forward and backward loop over the sources in place instead of stacking copies of them, and only
+    references to the sources (alive anyway) and alpha (n, B, T) are saved: activation memory stays
+    linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
+
+    With hand_on, each source is also returned, as an alias, for the next router, its only consumer: the
+    gradient that comes back for an alias is the sum of the later routers' alpha_i * g (a tensor only this
+    chain holds), and this router adds its own share into it in place. So each source's routing gradient
+    is one tensor accumulated along the chain of routers: one multiply-add pass per (router, source) pair,
+    where autograd would make a new product tensor and then add it. Under torch.compile (hand_on=False)
+    the aliases are left out and autograd sums as usual.
+    """
+
+    @staticmethod
+    def forward(ctx, hand_on, base, logits, *sources):
+        alpha = logits.softmax(dim=0)             # (n, B, T); over a leading dim: PyTorch's faster kernel for small n
+        a = alpha.unsqueeze(-1).unbind(0)         # n views alpha_i, (B, T, 1)
+        s0 = upcast(sources[0])
+        read = a[0] * s0 if base is None else torch.addcmul(upcast(base), a[0], s0)
+        for a_i, s in zip(a[1:], sources[1:]):
+            read.addcmul_(a_i, s)
+        ctx.save_for_backward(alpha, *sources)
+        ctx.mark_non_differentiable(alpha)
+        ctx.set_materialize_grads(False)
+        dtype = sources[0].dtype if base is None else torch.promote_types(base.dtype, sources[0].dtype)
+        # a source returned as it is comes out as an alias of it (autograd makes the view)
+        return (read if read.dtype == dtype else read.to(dtype), alpha, *(sources if hand_on else ()))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, _, *handed_on_grads):
+        alpha, *sources = ctx.saved_tensors
+        later = handed_on_grads or [None] * len(sources)  # the later routers' gradients (none without hand_on)
+        if grad is None:  # the read itself was not used: only the handed-on gradients pass through
+            return (None, None, None, *later)
+        g_base = grad if ctx.needs_input_grad[1] else None
+        g = upcast(grad)
+        g_alpha = torch.empty_like(alpha)         # g . s_i, (n, B, T)
+        prod = torch.empty_like(g)                # one buffer for the products g * s_i
+        for g_alpha_i, s in zip(g_alpha.unbind(0), sources):
+            torch.sum(torch.mul(g, s, out=prod), dim=-1, out=g_alpha_i)
+        g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(0))  # softmax backward
+        g_sources = []
+        for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(0), sources, later):
+            # the later routers' gradient is a dense tensor of this chain's own: add this router's share in place
+            g_sources.append((a_i * g).to(s.dtype) if g_later is None else g_later.addcmul_(a_i, g))
+        return (None, g_base, g_logits, *g_sources)
+
+
+class Score(torch.autograd.Function):
+    """A source's routing logit for every router at once: score = (Q @ s^T) * r with r = 1/rms(s),
+    (R, D) x (B, T, D) -> (R, B, T) in float32, for the folded queries Q. One matmul per source instead
+    of a dot product per (source, router), and one autograd node with the backward written out:
+        dL/ds = (g * r)^T @ Q - c * s,   c = r^2 * sum_j g_j score_j / D   (from dr/ds = -r^3 s / D)
+        dL/dQ = (g * r) @ s
+    A bf16 source is saved as it is, not again as a float32 copy.
+    """
+
+    @staticmethod
+    def forward(ctx, s, Q):
+        with float32_only(s):
+            norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, Q.dtype))  # |s|, (B, T)
+            r = norm.square_().div_(s.size(-1)).add_(ROUTE_EPS).rsqrt_()       # 1 / rms(s), (B, T)
+            score = (Q @ upcast(s).view(-1, s.size(-1)).t()).view(-1, *r.shape).mul_(r)  # (R, B*T) -> (R, B, T)
+        ctx.save_for_backward(s, Q, r, score)
+        return score
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        s, Q, r, score = ctx.saved_tensors
+        with float32_only(s):
+            gr = g * r                                                         # (R, B, T)
+            c = (gr * score).sum(0).mul_(r).div_(s.size(-1))                   # (B, T)
+            s32 = upcast(s)
+            gr = gr.view(gr.size(0), -1)                                       # (R, B*T)
+            g_s = (gr.t() @ Q).view(s.shape).addcmul_(c.unsqueeze(-1), s32, value=-1).to(s.dtype) if ctx.needs_input_grad[0] else None
+            g_Q = gr @ s32.view(-1, s.size(-1)) if ctx.needs_input_grad[1] else None
+        return g_s, g_Q
+
+
+def float32_only(t):
+    """Autocast off (for the routing math in float32) when it is on; else nothing, which is cheaper."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def folded_queries(routers):
+    """Every router's folded query w * g, (R, D) in float32: one product for all of them."""
+    return upcast(torch.stack([r.query for r in routers])) * upcast(torch.stack([r.norm.weight for r in routers]))

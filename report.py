@@ -1,18 +1,84 @@
 """
-Routing reports and mode comparisons for the CLI: terminal tables, JSON, and PNG pictures.
+Routing reports and mode comparisons for the CLI: statistics, terminal tables, JSON, and PNG pictures.
 
-    routing_table([("delta", stats), ("attnres", stats2)])   # stats from GPT.routing_stats
+    stats = routing_stats(model, idx)                        # per routed sublayer: sharpness, entropy, ...
+    routing_table([("delta", stats), ("attnres", stats2)])   # the table, its averages and a legend
     draw_routing([...], "report.png")                        # mean-weight heatmaps + max weight per sublayer
-    compare_rows(runs) / compare_table(rows) / draw_curves(runs, "curves.png")
+    compare_rows(runs) / compare_table(rows) / draw_curves(curves, "curves.png", title)
+
+matplotlib is imported inside the draw functions, so importing this module (train.py does) stays light.
 """
 import json
 import math
 import statistics
 
-import matplotlib
+import torch
+from torch.nn import functional as F
 
-matplotlib.use("Agg")  # files only, no screen
-import matplotlib.pyplot as plt  # noqa: E402
+from errors import DeltaGPTError
+
+TABLE_LEGEND = """\
+n: the sublayer's number of sources; 1/n: the weight of each under uniform routing.
+max w (max weight): a token's largest routing weight, averaged over tokens (1/n uniform, 1: one source takes all).
+entropy (/ log n): the entropy of a token's routing weights over log n, averaged (1 uniform, 0: one source takes all).
+adj cos: the cosine similarity of adjacent sources, averaged (near 1: they point the same way).
+deeper half: the sublayers past the middle of the model. Averages leave out sublayers with one source."""
+
+
+@torch.no_grad()
+def routing_stats(model, idx):
+    """Routing statistics of a routed GPT on a batch idx (B, T), from the record of each router's sources
+    and weights, per routed sublayer in order (the final router last): n sources, max_weight (mean over
+    tokens of max_i alpha_i; uniform gives 1/n), entropy (H / log n), mean_weight (mean alpha per source),
+    adj_cos (mean cosine similarity of adjacent sources). Averages leave out sublayers with one source;
+    deep_* average the deeper half of the sublayers. source_names: the sources' names, in order."""
+    cfg = model.config
+    if cfg.residual == "baseline":
+        raise DeltaGPTError("a baseline model has no routing to report; train or convert a routed model "
+                         "(--residual attnres, delta or delta_block)")
+    record = []
+    model.hidden(idx, record=record)
+    rows = [sublayer_row(name, k, sources, alpha)
+            for k, (name, (sources, alpha)) in enumerate(zip(sublayer_names(cfg), record), start=1)]
+    multi = [r for r in rows if r["n"] > 1]
+    deep = [r for r in multi if r["index"] > cfg.n_sublayers // 2]
+    mean = lambda rs, key: sum(r[key] for r in rs) / len(rs) if rs else float("nan")
+    return dict(
+        sublayers=rows,
+        mean_max_weight=mean(multi, "max_weight"), mean_entropy=mean(multi, "entropy"),
+        deep_max_weight=mean(deep, "max_weight"), deep_entropy=mean(deep, "entropy"),
+        mean_adj_cos=mean(multi, "adj_cos"), source_names=source_names(cfg),
+    )
+
+
+def sublayer_row(name, k, sources, alpha):
+    """One sublayer's statistics from its sources (n tensors (B, T, D)) and weights alpha (B, T, n)."""
+    n = alpha.size(-1)
+    entropy = -(alpha * alpha.clamp_min(1e-30).log()).sum(-1)  # (B, T)
+    cos = [F.cosine_similarity(a.float(), b.float(), dim=-1).mean().item() for a, b in zip(sources, sources[1:])]
+    return dict(
+        name=name, index=k, n=n, uniform=1.0 / n,
+        max_weight=alpha.max(-1).values.mean().item(),
+        entropy=(entropy / math.log(n)).mean().item() if n > 1 else float("nan"),
+        mean_weight=alpha.mean(dim=(0, 1)).tolist(),
+        adj_cos=sum(cos) / len(cos) if cos else float("nan"),
+    )
+
+
+def sublayer_names(cfg):
+    """h.0.attn, h.0.mlp, h.1.attn, ..., and "final" for attnres's final router."""
+    names = [f"h.{i}.{kind}" for i in range(cfg.n_layer) for kind in ("attn", "mlp")]
+    return names + (["final"] if cfg.residual == "attnres" else [])
+
+
+def source_names(cfg):
+    """The sources in order: e, then v1, v2, ... per sublayer or b1, b2, ... per block (a block's partial
+    sum sits where the block will); for cumulative sources x1, x2, ... or x_b1, x_b2, ..., the stream
+    after sublayer or block j."""
+    piece = "v" if cfg.n_route_blocks == cfg.n_sublayers else "b"
+    if cfg.route_sources == "cumulative":
+        piece = "x" if piece == "v" else "x_b"
+    return ["e"] + [f"{piece}{j}" for j in range(1, cfg.n_route_blocks + 1)]
 
 
 def fmt(x, spec=".3f"):
@@ -53,43 +119,49 @@ def routing_table(reports):
         ["entropy / log n, deeper half"] + [fmt(s["deep_entropy"]) for _, s in reports],
         ["adjacent-source cosine"] + [fmt(s["mean_adj_cos"]) for _, s in reports],
     ])
-    return markdown(head, rows) + "\n\n" + summary
+    return markdown(head, rows) + "\n\n" + summary + "\n\n" + TABLE_LEGEND
 
 
 def draw_routing(reports, path):
     """One PNG: for each report a heatmap of the mean routing weight (routed sublayer by source, as in the
-    Attention Residuals paper), and below them the mean max weight per sublayer against uniform 1/n."""
+    Attention Residuals paper), and below them, across the figure, the mean max weight per sublayer
+    against uniform 1/n."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no screen
+    import matplotlib.pyplot as plt
     n = len(reports)
-    fig, axes = plt.subplots(2, n, figsize=(5.2 * n, 9), squeeze=False,
-                             gridspec_kw=dict(height_ratios=[3, 2]))
+    fig = plt.figure(figsize=(5.2 * n + 1, 9))
+    grid = fig.add_gridspec(2, n, height_ratios=[3, 2])
     for col, (label, stats) in enumerate(reports):
         rows = stats["sublayers"]
         width = max(r["n"] for r in rows)
-        grid = [[math.nan] * width for _ in rows]
-        for i, r in enumerate(rows):
-            grid[i][:r["n"]] = r["mean_weight"]
-        ax = axes[0][col]
-        im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        weights = [r["mean_weight"] + [math.nan] * (width - r["n"]) for r in rows]  # (sublayers, width)
+        ax = fig.add_subplot(grid[0, col])
+        im = ax.imshow(weights, cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
         ax.set_title(f"{label}: mean routing weight")
-        ax.set_xlabel("source (0 = embedding)")
+        ax.set_xticks(range(width), stats["source_names"][:width], fontsize=7)
+        ax.set_xlabel("source (e = embedding)")
         ax.set_ylabel("routed sublayer")
         ax.set_yticks(range(len(rows)), [r["name"] for r in rows], fontsize=7)
-        fig.colorbar(im, ax=ax, fraction=0.046)
-    ax = axes[1][0]
+        fig.colorbar(im, ax=ax, fraction=0.046).set_label("mean routing weight alpha")
+    ax = fig.add_subplot(grid[1, :])
+    names = list(dict.fromkeys(r["name"] for _, stats in reports for r in stats["sublayers"]))  # attnres's final last
+    x = {name: i for i, name in enumerate(names)}
     for label, stats in reports:
         rows = stats["sublayers"]
-        ax.plot(range(1, len(rows) + 1), [r["max_weight"] for r in rows], marker="o", label=f"{label} max weight")
-    profiles = {tuple(r["uniform"] for r in stats["sublayers"]): label for label, stats in reports}
-    for k, (uniform, label) in enumerate(profiles.items()):
-        name = "uniform 1/n" + (f" ({label})" if len(profiles) > 1 else "")
-        ax.plot(range(1, len(uniform) + 1), uniform, "k" + ("--" if k == 0 else ":"), label=name)
+        ax.plot([x[r["name"]] for r in rows], [r["max_weight"] for r in rows], marker="o", label=f"{label} max weight")
+    profiles = {}  # each distinct uniform profile 1/n, with the first run that has it
+    for label, stats in reports:
+        profiles.setdefault(tuple((x[r["name"]], r["uniform"]) for r in stats["sublayers"]), label)
+    for k, (points, label) in enumerate(profiles.items()):
+        ax.plot(*zip(*points), "k" + ("--" if k == 0 else ":"),
+                label="uniform 1/n" + (f" ({label})" if len(profiles) > 1 else ""))
+    ax.set_xticks(range(len(names)), names, fontsize=7, rotation=45)
     ax.set_xlabel("routed sublayer")
     ax.set_ylabel("mean max weight")
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=8)
     ax.set_title("routing sharpness")
-    for extra in axes[1][1:]:
-        extra.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -134,10 +206,14 @@ def compare_table(rows):
     return markdown(head, body)
 
 
-def draw_curves(curves, path):
+def draw_curves(curves, path, title=None):
     """curves: {mode: [[(step, val_loss), ...] per seed]} -> validation loss against step, the mean over
-    seeds bold and each seed faint; the right panel zooms on the second half of training."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    seeds bold and each seed thin; the right panel zooms on the second half of training. title: the
+    figure's title (the caller names what was run: preset, dataset, seeds)."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no screen
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax in axes:
         for i, (mode, seeds) in enumerate(curves.items()):
             color = f"C{i}"
@@ -146,10 +222,11 @@ def draw_curves(curves, path):
             steps = sorted(set.intersection(*[{s for s, _ in pts} for pts in seeds]))
             mean = [statistics.fmean(dict(pts)[s] for pts in seeds) for s in steps]
             ax.plot(steps, mean, color=color, lw=2, marker="o", ms=3, label=f"{mode} (mean of {len(seeds)})")
+        ax.plot([], [], color="gray", alpha=0.5, lw=1, label="thin lines: one seed each")
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss")
         ax.grid(alpha=0.3)
-    axes[0].legend()
+        ax.legend(fontsize=8)
     last = max(s for seeds in curves.values() for pts in seeds for s, _ in pts)
     late = [v for seeds in curves.values() for pts in seeds for s, v in pts if s >= last / 2]
     if last > 0 and late:
@@ -158,6 +235,8 @@ def draw_curves(curves, path):
         axes[1].set_ylim(min(late) - pad, max(late) + pad)
     axes[0].set_title("all steps")
     axes[1].set_title("second half, zoomed")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -39,10 +39,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import data
-from delta_gpt import GPT, GPTConfig, RESIDUALS, is_routing_key
+import report
+from delta_gpt import GPT, GPT2_MODELS, GPTConfig, RESIDUALS, is_routing_key
 from errors import DeltaGPTError
 
-GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ROUTED_MODES = tuple(m for m in RESIDUALS if m != "baseline")
 EVAL_SEED = 20260518  # seeds the fixed evaluation batches, the same whatever the training seed
 
@@ -474,7 +474,7 @@ def routing_stats(model, ds, n_batches, batch_size, ctx=contextlib.nullcontext()
     model.eval()
     X = torch.cat([eval_batch(ds, "val", k, batch_size, model.config.block_size, device)[0] for k in range(n_batches)])
     with ctx:
-        stats = model.routing_stats(X)
+        stats = report.routing_stats(model, X)
     model.train(training)
     return stats
 

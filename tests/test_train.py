@@ -323,7 +323,7 @@ def test_init_from_baseline_checkpoint_keeps_the_loss(tiny_data, tmp_path):
                   max_iters=0)
     T.train(cfg)
     first = [r for r in T.read_metrics(tmp_path / "delta") if r["kind"] == "eval"][0]
-    # equal up to LN eps, which still weighs at this tiny width after 8 steps (SPEC.md, zero-init identities)
+    # equal up to LN eps, which still weighs at this tiny width after 8 steps (docs/method.md, section 5)
     assert first["step"] == 0 and abs(first["val_loss"] - base_val) < 1e-3
     with pytest.raises(ValueError, match="different architecture: n_embd"):
         T.train(cfg_for(tiny_data, tmp_path / "x", residual="delta", n_embd=64,

@@ -1,0 +1,100 @@
+"""report.py's claims: routing statistics in range and uniform at zero init, the table explains its
+columns, the pictures are written with named sources, and importing report leaves matplotlib alone."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import report
+from delta_gpt import GPT, GPTConfig, RESIDUALS
+
+ROUTED = [m for m in RESIDUALS if m != "baseline"]
+
+
+def model_of(residual, queries=0.0, **kw):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=37, n_layer=2, n_head=2, n_embd=32, residual=residual, **kw))
+    with torch.no_grad():
+        for router in model.routers:
+            router.query.normal_(0, queries)
+    return model.eval()
+
+
+def idx_batch(B=2, T=16):
+    return torch.randint(0, 37, (B, T), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("residual", ROUTED)
+def test_routing_stats_in_range(residual):
+    model = model_of(residual, queries=2.0)
+    stats = report.routing_stats(model, idx_batch())
+    assert [r["n"] for r in stats["sublayers"]] == model.sources_per_router()
+    assert [r["name"] for r in stats["sublayers"]][:2] == ["h.0.attn", "h.0.mlp"]
+    for r in stats["sublayers"]:
+        assert 1 / r["n"] - 1e-6 <= r["max_weight"] <= 1 + 1e-6
+        assert len(r["mean_weight"]) == r["n"] and abs(sum(r["mean_weight"]) - 1) < 1e-5
+        if r["n"] > 1:
+            assert 0 <= r["entropy"] <= 1 + 1e-6 and -1 <= r["adj_cos"] <= 1
+    assert 0 < stats["mean_max_weight"] <= 1 and 0 < stats["deep_max_weight"] <= 1
+    assert len(stats["source_names"]) >= max(r["n"] for r in stats["sublayers"])
+
+
+def test_routing_stats_uniform_at_zero_init():
+    stats = report.routing_stats(model_of("delta"), idx_batch())
+    for r in stats["sublayers"]:
+        assert abs(r["max_weight"] - 1 / r["n"]) < 1e-6
+        if r["n"] > 1:
+            assert abs(r["entropy"] - 1) < 1e-5
+
+
+def test_routing_stats_refuse_baseline():
+    with pytest.raises(ValueError, match="a baseline model has no routing to report; train or convert a routed model"):
+        report.routing_stats(model_of("baseline"), idx_batch())
+
+
+@pytest.mark.parametrize("residual,kw,names", [
+    ("delta", {}, ["e", "v1", "v2", "v3", "v4"]),
+    ("attnres", dict(n_route_blocks=2), ["e", "b1", "b2"]),
+    ("delta_block", dict(n_route_blocks=2, route_sources="cumulative"), ["e", "x_b1", "x_b2"]),
+    ("attnres", dict(n_route_blocks=4, route_sources="cumulative"), ["e", "x1", "x2", "x3", "x4"]),
+])
+def test_sources_are_named_by_what_they_are(residual, kw, names):
+    assert report.source_names(model_of(residual, **kw).config) == names
+
+
+def test_table_has_a_legend_for_every_column():
+    stats = report.routing_stats(model_of("delta", queries=1.0), idx_batch())
+    table = report.routing_table([("delta", stats)])
+    legend = table.split("\n\n")[-1]
+    assert legend == report.TABLE_LEGEND
+    for term in ("n:", "1/n:", "max w (max weight):", "entropy (/ log n):", "adj cos:", "deeper half:"):
+        assert re.search(rf"(^|; ){re.escape(term)} ", legend, flags=re.M), term
+
+
+def test_readme_shows_the_legend_report_prints():
+    readme = (Path(report.__file__).parent / "README.md").read_text()
+    assert report.TABLE_LEGEND in readme
+
+
+def test_draw_routing_writes_one_and_two_report_pictures(tmp_path):
+    delta = report.routing_stats(model_of("delta", queries=1.0), idx_batch())
+    attnres = report.routing_stats(model_of("attnres", queries=1.0, n_route_blocks=2), idx_batch())
+    report.draw_routing([("delta", delta)], tmp_path / "one.png")
+    report.draw_routing([("delta", delta), ("attnres", attnres)], tmp_path / "two.png")
+    assert (tmp_path / "one.png").stat().st_size > 10_000 and (tmp_path / "two.png").stat().st_size > 10_000
+
+
+def test_draw_curves_writes_a_picture_with_a_title(tmp_path):
+    curves = {"baseline": [[(0, 3.0), (10, 2.5)], [(0, 3.1), (10, 2.4)]], "delta": [[(0, 3.0), (10, 2.3)]]}
+    report.draw_curves(curves, tmp_path / "curves.png", title="cpu preset, tiny, seeds 1, 2")
+    report.draw_curves(curves, tmp_path / "untitled.png")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000 and (tmp_path / "untitled.png").exists()
+
+
+@pytest.mark.slow
+def test_importing_report_does_not_import_matplotlib():
+    code = "import sys, report; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=report.__file__.rsplit("/", 1)[0])
