@@ -4,7 +4,9 @@
     python cli.py train --residual delta       # the cpu preset on a machine without CUDA
     python cli.py COMMAND --help               # every command documents its options
 
-Bad input ends with one line on stderr and exit status 1, never a traceback.
+Bad input ends with one line on stderr and exit status 1, never a traceback. A command line that does
+not parse (an unknown command, a missing or mistyped option of a command other than train and compare,
+whose training options delta-gpt parses itself) gets Typer's usage message and exit status 2.
 """
 import functools
 import math

@@ -287,3 +287,9 @@ def test_a_prompt_file_that_is_not_utf8_is_named(runs, tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     refused("latin1.txt is not UTF-8 text", "sample", "--ckpt", runs / "delta" / "last.pt", "--prompt-file",
             tmp_path / "latin1.txt")
+
+
+def test_usage_errors_keep_typers_exit_status_2():
+    for args in (["sample", "--ckpt", "x.pt", "--num-samples", "abc"], ["sample"], ["frobnicate"]):
+        result = run(*args)
+        assert result.exit_code == 2 and "Usage:" in result.output, result.output
