@@ -99,8 +99,14 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda, then mps, then cpu), or cpu, cuda, cuda:1, mps
     dtype: str = "auto"  # auto (bfloat16 on CUDA where supported, else float16; float32 on CPU/MPS), float32, bfloat16, float16
     compile: Optional[bool] = None  # torch.compile the model (default: on for CUDA, off elsewhere)
+    fsdp: bool = False  # shard parameters, gradients and optimizer state with FSDP2 (under torchrun)
+    activation_checkpointing: bool = False  # recompute each attention and MLP in backward to save activation memory
+    wandb_project: Optional[str] = None  # also log the metrics to this Weights & Biases project (needs the wandb package)
+    wandb_run_name: Optional[str] = None  # the W&B run's name (default: the run directory's name)
 
 
+PAPER = dict(dataset="fineweb_edu", block_size=2048, max_iters=10000, learning_rate=6e-4, min_lr=6e-5, warmup_iters=1000,
+             beta2=0.95, eval_interval=500, eval_iters=100, ckpt_interval=500)  # the paper's recipe
 PRESETS = {
     # nanoGPT's CPU recipe: a few minutes on 2 cores
     "cpu": dict(),
@@ -111,10 +117,13 @@ PRESETS = {
     "gpt2_124m": dict(dataset="fineweb_edu", n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=12,
                       gradient_accumulation_steps=40, max_iters=600000, learning_rate=6e-4, min_lr=6e-5,
                       warmup_iters=2000, beta2=0.95, eval_interval=1000, eval_iters=200, ckpt_interval=1000),
-    # the paper's 220M setup: d 768, 12 layers, seq 2048, 10K steps, 6e-4 -> 6e-5 cosine, warmup 1000
-    "paper_220m": dict(dataset="fineweb_edu", n_layer=12, n_head=12, n_embd=768, block_size=2048, batch_size=8,
-                       gradient_accumulation_steps=32, max_iters=10000, learning_rate=6e-4, min_lr=6e-5,
-                       warmup_iters=1000, beta2=0.95, eval_interval=500, eval_iters=100, ckpt_interval=500),
+    # the paper's sizes in its recipe: seq 2048, 10K steps, 6e-4 -> 6e-5 cosine, warmup 1000, AdamW (0.9, 0.95),
+    # weight decay 0.1; 256 sequences (0.5M tokens) per step; head size 64 (128 at 7B)
+    "paper_220m": dict(PAPER, n_layer=12, n_head=12, n_embd=768, batch_size=8, gradient_accumulation_steps=32),
+    "paper_533m": dict(PAPER, n_layer=24, n_head=16, n_embd=1024, batch_size=8, gradient_accumulation_steps=32),
+    "paper_1b": dict(PAPER, n_layer=36, n_head=20, n_embd=1280, batch_size=8, gradient_accumulation_steps=32),
+    "paper_7b": dict(PAPER, n_layer=36, n_head=32, n_embd=4096, batch_size=8, gradient_accumulation_steps=32,
+                     fsdp=True, activation_checkpointing=True),
 }
 
 
@@ -176,6 +185,10 @@ def check_config(cfg):
         raise ValueError(f"--dtype {cfg.dtype!r} is unknown; choose auto, float32, bfloat16 or float16")
     if cfg.init_from in GPT2_MODELS and cfg.block_size > 1024:
         raise ValueError(f"--init-from {cfg.init_from} has 1024 positions; use --block-size 1024 or less")
+    if cfg.wandb_run_name is not None and not cfg.wandb_project:
+        raise ValueError("--wandb-run-name names a Weights & Biases run: add --wandb-project NAME")
+    if cfg.wandb_project:
+        import_wandb()  # a missing package is one line now, not after the model is built
     if cfg.eval_only and not cfg.resume and cfg.init_from == "scratch":
         raise ValueError("--eval-only evaluates a trained model: add --resume (out_dir/last.pt) or --init-from PATH")
     model_config(cfg, vocab_size=1)  # GPTConfig checks the model fields
@@ -673,6 +686,7 @@ def _train(cfg, rank, world_size, device):
                     record.log(kind="train", step=iter_num, train_loss=step_loss, lr=lr, tokens_per_s=tok_s,
                                elapsed=t_now - t_start, **({"mfu": mfu} if mfu is not None else {}))
     bar.close()
+    record.finish()
     if stopped:
         if master:
             print(stopped)
@@ -755,6 +769,7 @@ class RunRecord:
     def __init__(self, out_dir, master, resume_step=None):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.master = master
+        self.wandb = None  # the Weights & Biases run, with --wandb-project (rank 0)
         self.start_step = resume_step or 0
         self.commit = git_commit()
         if not master:
@@ -773,11 +788,50 @@ class RunRecord:
                     dataset=meta, commit=self.commit,
                     world_size=world_size, device=str(device), dtype=dtype, torch=torch.__version__)
         (self.path.parent / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+        if cfg.wandb_project:  # a new W&B run each time train.py starts, resumed or not
+            run_dir = self.path.parent
+            self.wandb = import_wandb().init(project=cfg.wandb_project, name=cfg.wandb_run_name or run_dir.name,
+                                             config=info, dir=os.environ.get("WANDB_DIR", str(run_dir)))
 
     def log(self, **row):
         if self.master:
             with open(self.path, "a") as f:
                 f.write(json.dumps({k: v for k, v in row.items() if v is not None}) + "\n")
+            if self.wandb is not None and (numbers := wandb_numbers(row)):
+                self.wandb.log(numbers, step=row["step"])
+
+    def finish(self):
+        """End the W&B run (metrics.jsonl needs nothing)."""
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def import_wandb():
+    """The wandb module, or one clear error saying how to get it."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
+                         "(or leave --wandb-project out: metrics.jsonl is written either way)") from None
+    return wandb
+
+
+def wandb_numbers(row):
+    """A metrics.jsonl row as W&B metrics: each number under KIND/NAME (nested dicts joined by '/',
+    lists such as the per-sublayer routing statistics left out), e.g. train/train_loss, eval/val_loss."""
+    out = {}
+
+    def walk(key, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{key}/{k}", v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    for k, v in row.items():
+        if k not in ("kind", "step"):
+            walk(f"{row['kind']}/{k}", v)
+    return out
 
 
 def parse_row(line):
