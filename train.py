@@ -812,8 +812,8 @@ def import_wandb():
     try:
         import wandb
     except ImportError:
-        raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
-                         "(or leave --wandb-project out: metrics.jsonl is written either way)") from None
+        raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb==0.31.0 "
+                         "(requirements.txt's pin), or leave --wandb-project out (metrics.jsonl is written either way)") from None
     return wandb
 
 
