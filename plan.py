@@ -33,15 +33,16 @@ size). So the bytes saved are a sum of the monomials in TERMS with constant coef
                                   the loss's V-wide log-softmax (in the B*T term)
   B*T^2*L*D                       an attention matrix per head, where a kernel keeps one (the manual
                                   path; dropout on the CPU); none with flash attention
-  L*D^2, L*D, D, T, 1             kept once whatever the batch: autocast's bf16 weight copies (lm_head's
-                                  V x D in the D term), the routers' folded queries, the positions
-The planner counts bench.saved_bytes of the real model on the CPU at 24 small sizes (L = l, 2l, 3l,
-l the fewest layers the routing blocks allow; D one and two heads wide; (B, T) = (1, 16), (2, 16),
-(1, 32), (2, 32)), solves for the coefficients by least squares, checks the fit is exact at every
-point measured, and evaluates it at the planned size. It runs eager (compile usually keeps less) in
-the planned precision: fp32; bf16 autocast over fp32 weights (DDP); bf16 weights under autocast (FSDP's
-bf16 compute). fp16 is planned as bf16 (the same bytes); LayerNorm runs in fp32 as under CUDA's
-autocast (the CPU's keeps it in bf16). With --activation-checkpointing each block is measured with
+  L*D^2, L*D, D, T^2*L, T^2, T, 1 kept once whatever the batch: autocast's bf16 weight copies (lm_head's
+                                  V x D in the D term), the routers' folded queries, causal masks, positions
+The planner counts bench.saved_bytes of the real model on the CPU at 30 small sizes (L = l, 2l, 3l,
+l the fewest layers the routing blocks allow; D two and three heads wide; (B, T) = (2, 16), (3, 16),
+(2, 32), (3, 32), (2, 48): no dimension of 1, where a transpose is free and two tensors would share a
+storage they do not share at the planned size), solves for the coefficients by least squares, checks
+the fit is exact at every point measured, and evaluates it at the planned size. It runs eager (compile
+usually keeps less) in the planned precision: fp32; bf16 autocast over fp32 weights (DDP); bf16
+weights under autocast (FSDP's bf16 compute). fp16 is planned as bf16 (the same bytes); LayerNorm runs
+in fp32 as under CUDA's autocast (the CPU's keeps it in bf16). With --activation-checkpointing each block is measured with
 `recompute = True`: each sublayer's f_k(LN(u)) then keeps only its input u (torch.utils.checkpoint
 saves it for backward, where the count sees it) and is recomputed in backward.
 """
@@ -58,8 +59,9 @@ from delta_gpt import GPT, LayerNorm
 
 GIB = 2**30
 USABLE = 0.9  # the share of --gpu-memory a plan may fill
-TERMS = ("B*T*L*D", "B*T*L*L*D", "B*T*L", "B*T*L*L", "B*T*D", "B*T", "B*T*T*L*D", "L*D*D", "L*D", "D", "T", "1")
-SIZES = [(B, T) for T in (16, 32) for B in (1, 2)]  # (micro-batch, context) measured at each depth and width
+TERMS = ("B*T*L*D", "B*T*L*L*D", "B*T*L", "B*T*L*L", "B*T*D", "B*T", "B*T*T*L*D",
+         "L*D*D", "L*D", "D", "T*T*L", "T*T", "T", "1")
+SIZES = ((2, 16), (3, 16), (2, 32), (3, 32), (2, 48))  # (micro-batch, context) measured at each depth and width
 EXACT = 1e-6  # the fit's largest relative error at the points measured
 
 
@@ -103,22 +105,28 @@ def fp32_layer_norm(ln):
     return forward
 
 
-def measure(config, batch, cfg, seed=0):
-    """bench.saved_bytes of the model of `config` for one micro-step of `batch` sequences, in cfg's
-    precision, with cfg's activation checkpointing: the count the planner fits."""
+def measured_model(config, cfg, seed=0):
+    """The model of `config` as cfg would train it: its weights in cfg's precision, its blocks
+    recomputing in backward with activation checkpointing."""
     dtype, cast = precision(cfg)
     torch.manual_seed(seed)
     model = GPT(config)
     for block in model.transformer.h:
         block.recompute = cfg.activation_checkpointing  # each sublayer under torch.utils.checkpoint
-    idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
-    if dtype == "float32":
-        return bench.saved_bytes(model, idx)
     if cast:
         model.to(torch.bfloat16)
-    for module in model.modules():
-        if isinstance(module, LayerNorm):
-            module.forward = fp32_layer_norm(module)
+    if dtype != "float32":
+        for module in model.modules():
+            if isinstance(module, LayerNorm):
+                module.forward = fp32_layer_norm(module)
+    return model
+
+
+def measure(model, cfg, batch, block_size):
+    """bench.saved_bytes of one micro-step of `batch` sequences of `block_size` tokens, in cfg's precision."""
+    idx = torch.randint(0, model.config.vocab_size, (batch, block_size))
+    if precision(cfg)[0] == "float32":
+        return bench.saved_bytes(model, idx)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return bench.saved_bytes(model, idx)
 
@@ -135,7 +143,7 @@ _fits = {}
 
 
 def fit(cfg, vocab):
-    """Coefficients of TERMS (bytes) for cfg's activations at vocabulary `vocab`, from 24 measurements."""
+    """Coefficients of TERMS (bytes) for cfg's activations at vocabulary `vocab`, from 30 measurements."""
     key = (tuple(getattr(cfg, f) for f in FIT_FIELDS), cfg.n_embd // cfg.n_head, precision(cfg), vocab)
     if key not in _fits:
         _fits[key] = _fit(cfg, vocab)
@@ -148,11 +156,13 @@ def _fit(cfg, vocab):
     l = blocks // math.gcd(blocks, 2)  # the fewest layers whose 2L sublayers the routing blocks divide
     rows, saved = [], []
     for L in (l, 2 * l, 3 * l):
-        for heads in (1, 2):
+        for heads in (2, 3):
+            config = model_config(cfg, vocab, n_layer=L, n_head=heads, n_embd=heads * head,
+                                  block_size=max(T for _, T in SIZES))
+            model = measured_model(config, cfg)
             for B, T in SIZES:
-                config = model_config(cfg, vocab, n_layer=L, n_head=heads, n_embd=heads * head, block_size=T)
                 rows.append(monomials(B, T, L, heads * head))
-                saved.append(measure(config, B, cfg))
+                saved.append(measure(model, cfg, B, T))
     A, y = np.array(rows, dtype=np.float64), np.array(saved, dtype=np.float64)
     scale = np.abs(A).max(axis=0)  # columns of one size, for a well-conditioned solve
     coef = np.linalg.lstsq(A / scale, y, rcond=None)[0] / scale
@@ -240,7 +250,8 @@ def table(cfg, vocab, nproc):
     mode = "bf16 weights" if cast else "fp32" if dtype == "float32" else f"{dtype} autocast"
     labels = {"parameters": f"parameters (fp32{shard})", "gradients": f"gradients (fp32{shard})",
               "AdamW state": f"AdamW state (fp32{shard})",
-              "FSDP gathered": f"FSDP gathered: root + 2 blocks ({'fp32' if dtype == 'float32' else 'bf16'}, with fp32 gradients)",
+              "FSDP gathered": f"FSDP gathered: root + 2 blocks ({'fp32' if dtype == 'float32' else 'bf16'}, "
+                               "with fp32 gradients)",
               "DDP buckets": "DDP gradient buckets (fp32)",
               "activations": f"activations ({mode}{', checkpointed' if cfg.activation_checkpointing else ''})",
               "logits gradient": "logits gradient (fp32)"}
@@ -259,7 +270,7 @@ def advice(cfg, vocab, nproc, gpu_memory):
     at this GPU count fits even one sequence."""
     usable = USABLE * gpu_memory * GIB
     room = f"{gib(usable)} GiB usable ({gpu_memory:g} GiB less 10%)"
-    step = lambda c, b=None: sum(memory(c, vocab, nproc, b).values())
+    step = lambda c, b=None, n=nproc: sum(memory(c, vocab, n, b).values())
     largest = largest_batch(cfg, vocab, nproc, usable)
     if step(cfg) <= usable:
         return [f"fits: {gib(step(cfg))} of {room}; the largest --batch-size that fits is {largest}"]
@@ -273,19 +284,25 @@ def advice(cfg, vocab, nproc, gpu_memory):
             b, opts = batch_options(alt, nproc, most) if most < cfg.batch_size else (cfg.batch_size, "")
             lines.append(f"  {flags}{' ' + opts if opts else ''}: {gib(step(alt, b))} GiB "
                          f"(the largest --batch-size that fits is {most})")
-    most = replace(cfg, activation_checkpointing=True)
-    gpus = gpus_needed(most, vocab, usable, 1)
     if not lines:
-        flags = "--fsdp --activation-checkpointing" if nproc > 1 else "--activation-checkpointing"
-        best = sum(memory(replace(most, fsdp=nproc > 1), vocab, nproc, 1).values())
-        what = (f"use --nproc {gpus} or more with --fsdp --activation-checkpointing" if gpus
-                else "use a shorter --block-size or GPUs with more memory")
-        raise ValueError(f"{cfg.preset} ({cfg.residual}) does not fit on {nproc} GPU{'s' if nproc > 1 else ''} of "
-                         f"{gpu_memory:g} GiB at any batch size: --batch-size 1 with {flags} needs {gib(best)} of {room}; {what}")
+        raise ValueError(no_fit(cfg, vocab, nproc, gpu_memory, room))
     gpus = gpus_needed(cfg, vocab, usable, cfg.batch_size)
     if gpus and gpus > nproc:
-        lines.append(f"  --fsdp on --nproc {gpus} GPUs or more (--gradient-accumulation-steps a multiple of it)")
+        lines.append(f"  --fsdp --nproc {gpus}: {gib(step(replace(cfg, fsdp=True), n=gpus))} GiB (or more GPUs; "
+                     f"--gradient-accumulation-steps must be a multiple of --nproc)")
     return [f"does not fit: {gib(step(cfg))} GiB, {room}. Each of these fits:"] + lines
+
+
+def no_fit(cfg, vocab, nproc, gpu_memory, room):
+    """The one line for a plan that no batch size fits on nproc GPUs, even with everything that saves memory."""
+    least = replace(cfg, activation_checkpointing=True, fsdp=cfg.fsdp or nproc > 1)
+    flags = "--fsdp --activation-checkpointing" if least.fsdp else "--activation-checkpointing"
+    need = sum(memory(least, vocab, nproc, 1).values())
+    gpus = gpus_needed(least, vocab, USABLE * gpu_memory * GIB, 1)
+    what = (f"use --nproc {gpus} or more with --fsdp --activation-checkpointing" if gpus
+            else "use a shorter --block-size or GPUs with more memory")
+    return (f"{cfg.preset} ({cfg.residual}) does not fit on {nproc} GPU{'s' if nproc > 1 else ''} of {gpu_memory:g} GiB "
+            f"at any batch size: --batch-size 1 with {flags} needs {gib(need)} of {room}; {what}")
 
 
 def report(cfg, nproc=1, gpu_memory=None, vocab=None):
