@@ -252,5 +252,25 @@ def evaluate(
                f"({eval_iters} batches of {batch_size} x {block_size} tokens)")
 
 
+@app.command(context_settings=PASS_THROUGH, cls=TrainHelp)
+@friendly
+def plan(
+    ctx: typer.Context,
+    nproc: int = typer.Option(1, "--nproc", help="GPUs the run uses (torchrun's world size)"),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="GiB per GPU (80 for an 80 GB A100 or H100): say whether it fits, and what would"),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="the vocabulary [default: the prepared dataset's, else GPT-2's 50,304]"),
+):
+    """Memory per GPU of a training run: parameters, gradients, AdamW state, activations.
+
+    Takes the train options (--preset, --residual, --batch-size, --block-size, --fsdp,
+    --activation-checkpointing, --dtype, ...). Activations are the model's own saved tensors, measured
+    on the CPU at small sizes and scaled (see plan.py). Nothing is trained and no GPU is needed.
+    """
+    import plan as P
+    import train as T
+    preset, overrides = T.parse_args(ctx.args)
+    typer.echo(P.report(T.make_config(preset, **overrides), nproc, gpu_memory, vocab_size))
+
+
 if __name__ == "__main__":
     app()

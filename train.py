@@ -115,6 +115,8 @@ class TrainConfig:
     keep_freed_memory: bool = option(True, "CPU: malloc keeps freed memory for the next step (no page faults each step)")
     fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the processes with FSDP2")
     activation_checkpointing: bool = option(False, "recompute each attention and MLP in backward (less activation memory)")
+    wandb_project: Optional[str] = option(None, "also log the metrics to this Weights & Biases project (needs the wandb package)")
+    wandb_run_name: Optional[str] = option(None, "the W&B run's name (default: the run directory's name)")
 
 
 def help_of(name):
@@ -126,8 +128,10 @@ MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name != "vocab_size"
 ROUTE_FIELDS = ("residual", "n_route_blocks", "route_partial", "route_sources")  # --init-from may change these
 ARCH_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "fast_routing"))  # fixed once trained
 BOOKKEEPING_FIELDS = ("out_dir", "resume", "overwrite", "progress", "eval_only", "threads", "keep_freed_memory",
-                      "log_interval", "ckpt_interval")  # change no number of a run
+                      "log_interval", "ckpt_interval", "wandb_project", "wandb_run_name")  # change no number of a run
 
+PAPER = dict(dataset="fineweb_edu", block_size=2048, max_iters=10000, learning_rate=6e-4, min_lr=6e-5, warmup_iters=1000,
+             beta2=0.95, eval_interval=500, eval_iters=100, ckpt_interval=500)  # the paper's recipe
 PRESETS = {
     # nanoGPT's CPU recipe: a few minutes on 2 cores
     "cpu": dict(),
@@ -138,10 +142,13 @@ PRESETS = {
     "gpt2_124m": dict(dataset="fineweb_edu", n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=12,
                       gradient_accumulation_steps=40, max_iters=600000, learning_rate=6e-4, min_lr=6e-5,
                       warmup_iters=2000, beta2=0.95, eval_interval=1000, eval_iters=200, ckpt_interval=1000),
-    # the paper's 220M setup: d 768, 12 layers, seq 2048, 10K steps, 6e-4 -> 6e-5 cosine, warmup 1000
-    "paper_220m": dict(dataset="fineweb_edu", n_layer=12, n_head=12, n_embd=768, block_size=2048, batch_size=8,
-                       gradient_accumulation_steps=32, max_iters=10000, learning_rate=6e-4, min_lr=6e-5,
-                       warmup_iters=1000, beta2=0.95, eval_interval=500, eval_iters=100, ckpt_interval=500),
+    # the paper's sizes in its recipe: seq 2048, 10K steps, 6e-4 -> 6e-5 cosine, warmup 1000, AdamW (0.9, 0.95),
+    # weight decay 0.1; 256 sequences (0.5M tokens) per step; head size 64 (128 at 7B)
+    "paper_220m": dict(PAPER, n_layer=12, n_head=12, n_embd=768, batch_size=8, gradient_accumulation_steps=32),
+    "paper_533m": dict(PAPER, n_layer=24, n_head=16, n_embd=1024, batch_size=8, gradient_accumulation_steps=32),
+    "paper_1b": dict(PAPER, n_layer=36, n_head=20, n_embd=1280, batch_size=8, gradient_accumulation_steps=32),
+    "paper_7b": dict(PAPER, n_layer=36, n_head=32, n_embd=4096, batch_size=8, gradient_accumulation_steps=32,
+                     fsdp=True, activation_checkpointing=True),
 }
 
 
@@ -212,6 +219,10 @@ def check_config(cfg):
         check_fsdp(cfg)
     if cfg.init_from in GPT2_MODELS and cfg.block_size > 1024:
         raise ConfigError(f"--init-from {cfg.init_from} has 1024 positions; use --block-size 1024 or less")
+    if cfg.wandb_run_name is not None and not cfg.wandb_project:
+        raise ConfigError("--wandb-run-name names a Weights & Biases run: add --wandb-project NAME")
+    if cfg.wandb_project:
+        import_wandb()  # a missing package is one line now, not after the model is built
     if cfg.eval_only and not cfg.resume and cfg.init_from == "scratch":
         raise ConfigError("--eval-only evaluates a trained model: add --resume (out_dir/last.pt) or --init-from PATH")
     model_config(cfg, vocab_size=1)  # GPTConfig checks the model fields
@@ -503,7 +514,10 @@ def train(cfg):
     with process_group(cfg) as (rank, world_size, device):
         run = start_run(cfg, rank, world_size, device)
         with run.lock:
-            return evaluate_once(run) if cfg.eval_only else train_loop(run)
+            try:
+                return evaluate_once(run) if cfg.eval_only else train_loop(run)
+            finally:
+                run.record.finish()
 
 
 @contextlib.contextmanager
@@ -1129,6 +1143,7 @@ class RunRecord:
     def __init__(self, out_dir, master, resume_step=None):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.master = master
+        self.wandb = None  # the Weights & Biases run, with --wandb-project (rank 0)
         self.start_step = resume_step or 0
         self.commit = git_commit()
         if not master:
@@ -1147,11 +1162,50 @@ class RunRecord:
                     dataset=meta, commit=self.commit,
                     world_size=world_size, device=str(device), dtype=dtype, torch=torch.__version__)
         (self.path.parent / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+        if cfg.wandb_project:  # a new W&B run each time train.py starts, resumed or not
+            run_dir = self.path.parent
+            self.wandb = import_wandb().init(project=cfg.wandb_project, name=cfg.wandb_run_name or run_dir.name,
+                                             config=info, dir=os.environ.get("WANDB_DIR", str(run_dir)))
 
     def log(self, **row):
         if self.master:
             with open(self.path, "a") as f:
                 f.write(json.dumps({k: v for k, v in row.items() if v is not None}) + "\n")
+            if self.wandb is not None and (numbers := wandb_numbers(row)):
+                self.wandb.log(numbers, step=row["step"])
+
+    def finish(self):
+        """End the W&B run (metrics.jsonl needs nothing)."""
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def import_wandb():
+    """The wandb module, or one clear error saying how to get it."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--wandb-project needs the wandb package, which is not installed: pip install wandb==0.31.0 "
+                          "(requirements.txt's pin), or leave --wandb-project out (metrics.jsonl is written either way)") from None
+    return wandb
+
+
+def wandb_numbers(row):
+    """A metrics.jsonl row as W&B metrics: each number under KIND/NAME (nested dicts joined by '/',
+    lists such as the per-sublayer routing statistics left out), e.g. train/train_loss, eval/val_loss."""
+    out = {}
+
+    def walk(key, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{key}/{k}", v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    for k, v in row.items():
+        if k not in ("kind", "step"):
+            walk(f"{row['kind']}/{k}", v)
+    return out
 
 
 def parse_row(line):
