@@ -11,6 +11,7 @@ settings that differ, so a table never shows numbers of a run other than the one
 seed every variant sees the same batches, so each is paired with the study's reference seed by seed.
 """
 import json
+import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def run_summary(out_dir, seed):
     rows = T.read_metrics(out_dir)
     evals = [r for r in rows if r["kind"] == "eval"]
     speeds = sorted(r["tokens_per_s"] for r in rows if r["kind"] == "train")
-    routing = evals[-1].get("routing") or {}
+    routing = {k: v for k, v in (evals[-1].get("routing") or {}).items()
+               if not (isinstance(v, float) and math.isnan(v))}  # NaN: no sublayer with more than one source
     return dict(seed=seed, val_loss=evals[-1]["val_loss"], tokens_per_s=speeds[len(speeds) // 2] if speeds else None,
                 max_weight=routing.get("mean_max_weight"), deep_max_weight=routing.get("deep_max_weight"),
                 entropy=routing.get("mean_entropy"), deep_entropy=routing.get("deep_entropy"),
@@ -134,8 +136,10 @@ def plan(study, runs, states):
             per_run[key] = estimated_run_seconds(r.cfg)
         seconds += per_run[key] * (r.cfg.max_iters - step) / max(1, r.cfg.max_iters)
     resumed = sum(s == "resume" for s, _ in states)
-    shape = " x ".join(([f"{len(study.sweep[1])} {study.sweep[0]} values"] if study.sweep else [])
-                       + [f"{len(study.variants)} variants", f"{len(study.seeds)} seeds"])
+    once = [v for v in study.variants if study.sweep and not S.sweep_applies(study, v)]
+    shape = " x ".join(([count(len(study.sweep[1]), f"{study.sweep[0]} value")] if study.sweep else [])
+                       + [count(len(study.variants) - len(once), "variant"), count(len(study.seeds), "seed")])
+    shape += "".join(f", {v} once per seed" for v in once)
     left = (f"{len(runs) - done} to train" + (f" ({resumed} resumed)" if resumed else "")
             + (f", about {duration(seconds)} (an estimate: finished runs' wall time, else one timed training "
                f"step of each model plus its evaluations)" if len(runs) > done else ""))
@@ -168,3 +172,7 @@ def estimated_run_seconds(cfg):
 
 def duration(seconds):
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def count(n, word):
+    return f"{n} {word}{'s' if n != 1 else ''}"
