@@ -125,8 +125,8 @@ def plan(study, runs, states):
     done = sum(s == "finished" for s, _ in states)
     per_run = {}  # (variant, sweep value) -> seconds of a whole run: a finished one's, else one timed step's
     for r, (state, _) in zip(runs, states):
-        if state == "finished":
-            per_run.setdefault((r.variant, S.value_label(r.value)), run_summary(r.cfg.out_dir, r.seed)["elapsed"])
+        if state == "finished" and (r.variant, S.value_label(r.value)) not in per_run:
+            per_run[r.variant, S.value_label(r.value)] = run_summary(r.cfg.out_dir, r.seed)["elapsed"]
     seconds = 0.0
     for r, (state, step) in zip(runs, states):
         if state == "finished":

@@ -247,27 +247,40 @@ def cross(study, out):
 
 def claim_folder(study, out, overwrite=False, write=True):
     """Check that OUT holds no runs of another study (with --overwrite it is taken over), then (with write)
-    record this one in OUT/study.json. A folder without study.json (an older compare) is adopted: its runs' settings are
-    checked one by one when they are reused."""
+    record this one in OUT/study.json. More seeds, sweep values or variants extend a study; a folder without
+    study.json (an older compare) is adopted: its runs' settings are checked one by one when reused."""
     out = Path(out)
     path = out / "study.json"
     mine = json.loads(json.dumps(study.definition()))  # as it reads back
     if path.exists() and not overwrite:
         try:
             theirs = json.loads(path.read_text())["study"]
-        except (ValueError, KeyError, TypeError):
+            diff = conflicts(theirs, mine)
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise StudyError(f"{path} is unreadable; move it away if {out} holds no study's runs, or choose "
                              f"another --out") from None
-        if theirs != mine:
-            diff = [f"{k} ({json.dumps(a)} there, {json.dumps(b)} here)" for k, a, b in differences(theirs, mine)]
-            raise StudyError(f"{out} holds the runs of another study (it differs in {'; '.join(diff)}); choose "
-                             f"another --out, or pass --overwrite to train this study there afresh")
+        if diff:
+            raise StudyError(f"{out} holds the runs of another study (it differs in "
+                             + "; ".join(f"{k} ({json.dumps(a)} there, {json.dumps(b)} here)" for k, a, b in diff)
+                             + "); choose another --out, or pass --overwrite to train this study there afresh")
     if not write:
         return
     out.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(dict(name=study.name, study=mine), indent=2) + "\n")
     tmp.replace(path)
+
+
+def conflicts(theirs, mine):
+    """Where two study definitions differ in what makes their runs one study: the preset, [train], the
+    reference, the swept option and the options of each variant both have (seeds, sweep values and variants
+    may be added or dropped)."""
+    shared = set(theirs["variants"]) & set(mine["variants"])
+
+    def parts(d):
+        return dict(preset=d["preset"], train=d["train"], reference=d["reference"], sweep=list(d["sweep"] or {}),
+                    variants={k: v for k, v in d["variants"].items() if k in shared})
+    return differences(parts(theirs), parts(mine))
 
 
 def differences(a, b, prefix=""):

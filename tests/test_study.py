@@ -112,11 +112,19 @@ def test_a_folder_of_another_study_is_refused_and_kept(tmp_path):
     before = (out / "study.json").read_text()
     refused("holds the runs of another study (it differs in train.n_layer (2 there, 4 here))", "compare", "--study",
             study_file(tmp_path / "b.toml", train={"n_layer": 4}), "--out", out)
-    refused("it differs in seeds ([1, 2] there, [1] here)", "compare", "--study",
-            study_file(tmp_path / "c.toml", seeds=[1], train={"n_layer": 2}), "--out", out)
+    refused('it differs in variants.delta.route_sources (null there, "cumulative" here)', "compare", "--study",
+            study_file(tmp_path / "c.toml", train={"n_layer": 2}, variants={
+                "baseline": {"residual": "baseline"}, "delta": {"residual": "delta", "route_sources": "cumulative"}}),
+            "--out", out)
+    refused('sweep ([] there, ["learning_rate"] here)', "compare", "--study",
+            study_file(tmp_path / "d.toml", train={"n_layer": 2}, sweep={"learning_rate": [1e-3]}), "--out", out)
     assert (out / "study.json").read_text() == before
     assert (out / "baseline-s1" / "metrics.jsonl").read_text() == "mine\n"
     S.claim_folder(first, out)  # the same study again: accepted
+    more = S.load_study(study_file(tmp_path / "e.toml", seeds=[1, 2, 3], train={"n_layer": 2}, variants={
+        "baseline": {"residual": "baseline"}, "delta": {"residual": "delta"}, "attnres": {"residual": "attnres"}}))
+    S.claim_folder(more, out)  # more seeds and another variant extend the study
+    assert json.loads((out / "study.json").read_text())["study"]["seeds"] == [1, 2, 3]
 
 
 # ---------------------------------------------------------------- the crossing of sweep and variants
