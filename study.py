@@ -109,9 +109,6 @@ def study_from_dict(raw, name, overrides=None, preset=None, where="the study"):
     cli = checked_options(overrides or {}, "the command line", flag=True)
     if sweep and sweep[0] in cli:
         raise StudyError(f"--{T.flag(sweep[0])} is swept by {where}; leave it out (the command line overrides [train] only)")
-    for key in ("residual",):
-        if key in cli:
-            raise StudyError(f"--{key} chooses the modes of compare --residual; a study's variants set their own modes")
     checked = {}
     for vname, options in variants.items():
         checked[vname] = checked_variant(vname, options, where, sweep)
@@ -149,8 +146,8 @@ def checked_options(options, where, flag=False):
 
 
 def checked_value(key, kind, value, where):
-    if key == "n_route_blocks" and value == EVERY_SUBLAYER:
-        return value
+    if key == "n_route_blocks" and value == EVERY_SUBLAYER or value is None and "Optional" in kind:
+        return value  # None: from the command line's --option none
     if "bool" in kind:
         ok = isinstance(value, bool)
     elif "int" in kind:
@@ -278,7 +275,8 @@ def conflicts(theirs, mine):
     shared = set(theirs["variants"]) & set(mine["variants"])
 
     def parts(d):
-        return dict(preset=d["preset"], train=d["train"], reference=d["reference"], sweep=list(d["sweep"] or {}),
+        train = {k: v for k, v in d["train"].items() if k not in T.BOOKKEEPING_FIELDS}  # --threads 1 is no other study
+        return dict(preset=d["preset"], train=train, reference=d["reference"], sweep=list(d["sweep"] or {}),
                     variants={k: v for k, v in d["variants"].items() if k in shared})
     return differences(parts(theirs), parts(mine))
 

@@ -120,7 +120,8 @@ def test_a_folder_of_another_study_is_refused_and_kept(tmp_path):
             study_file(tmp_path / "d.toml", train={"n_layer": 2}, sweep={"learning_rate": [1e-3]}), "--out", out)
     assert (out / "study.json").read_text() == before
     assert (out / "baseline-s1" / "metrics.jsonl").read_text() == "mine\n"
-    S.claim_folder(first, out)  # the same study again: accepted
+    S.claim_folder(first, out)  # the same study again: accepted, and with other bookkeeping options
+    S.claim_folder(S.load_study(tmp_path / "a.toml", overrides={"threads": 1, "log_interval": 5}), out)
     more = S.load_study(study_file(tmp_path / "e.toml", seeds=[1, 2, 3], train={"n_layer": 2}, variants={
         "baseline": {"residual": "baseline"}, "delta": {"residual": "delta"}, "attnres": {"residual": "attnres"}}))
     S.claim_folder(more, out)  # more seeds and another variant extend the study
@@ -148,6 +149,20 @@ def test_sweep_crossed_with_variants(tmp_path):
     dirs = {(r.variant, r.value): r.cfg.out_dir for r in S.cross(study, tmp_path / "out")}
     assert dirs["baseline", 0.1] == dirs["baseline", 0.3] == str(tmp_path / "out" / "baseline-s1")
     assert dirs["delta", 0.3] == str(tmp_path / "out" / "route_lr_mult=0.3" / "delta-s1")
+
+
+def test_shipped_studies_cross_into_valid_runs(tmp_path):
+    from conftest import ROOT
+    paths = sorted((ROOT / "studies").glob("*.toml"))
+    assert {p.stem for p in paths} >= {"depth", "grid", "blocks", "depth-lr-4", "depth-lr-32", "route-lr"}
+    for path in paths:
+        study = S.load_study(path)
+        runs = S.cross(study, tmp_path / path.stem)  # every run's settings checked, nothing trained
+        values = len(study.sweep[1]) if study.sweep else 1
+        once = [v for v in study.variants if study.sweep and not S.sweep_applies(study, v)]
+        unique = {r.cfg.out_dir for r in runs}
+        assert len(unique) == len(study.seeds) * (values * (len(study.variants) - len(once)) + len(once)), path
+        assert all(r.cfg.n_embd == 64 and r.cfg.dataset == "shakespeare_char" for r in runs), path
 
 
 def test_compare_residual_is_a_study_in_memory():
