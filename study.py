@@ -97,18 +97,21 @@ def study_from_dict(raw, name, overrides=None, preset=None, where="the study"):
     if unknown:
         raise StudyError(f"{where}: unknown key {unknown[0]!r}; a study has {', '.join(STUDY_KEYS)}")
     seeds = raw.get("seeds", [1, 2, 3])
-    if not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds) or len(set(seeds)) < len(seeds):
+    if (not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds)
+            or len(set(seeds)) < len(seeds)):
         raise StudyError(f"{where}: seeds must be a list of distinct integers, got {seeds!r}")
     variants = raw.get("variants")
     if not isinstance(variants, dict) or not variants:
-        raise StudyError(f"{where} has no [variants]; add at least one, e.g. [variants.baseline] with residual = \"baseline\"")
+        raise StudyError(f"{where} has no [variants]; add at least one, e.g. [variants.baseline] with "
+                         f"residual = \"baseline\"")
     train = checked_options(raw.get("train", {}), f"{where} [train]")
     if "residual" in train:
         raise StudyError(f"{where} [train] sets residual; each variant sets its own mode")
     sweep = checked_sweep(raw.get("sweep"), where, train)
     cli = checked_options(overrides or {}, "the command line", flag=True)
     if sweep and sweep[0] in cli:
-        raise StudyError(f"--{T.flag(sweep[0])} is swept by {where}; leave it out (the command line overrides [train] only)")
+        raise StudyError(f"--{T.flag(sweep[0])} is swept by {where}; leave it out (the command line overrides "
+                         f"[train] only)")
     checked = {}
     for vname, options in variants.items():
         checked[vname] = checked_variant(vname, options, where, sweep)

@@ -7,7 +7,6 @@ import pytest
 from typer.testing import CliRunner
 
 import cli
-import compare as C
 import report as R
 import study as S
 import train as T
