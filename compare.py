@@ -114,10 +114,12 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False):
     rows = R.study_rows(summaries, study.reference, option)
     table = R.study_table(rows, study.reference, option)
     R.save_json(dict(name=study.name, study=study.definition(), rows=rows, runs=summaries), out / "compare.json")
-    (out / "compare.md").write_text(f"{table}\n\n{R.study_notes(study.reference)}\n")
+    best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)])
+    (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in (best, R.study_notes(study.reference)) if t)
+                                    + "\n")
     for path in R.draw_study(rows, summaries, study.reference, option, out):
         echo(f"wrote {path}")
-    return table
+    return table + (f"\n\n{best}" if best else "")
 
 
 def plan(study, runs, states):

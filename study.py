@@ -70,7 +70,8 @@ def load_study(path, overrides=None, preset=None):
     """The Study in a TOML file, with command-line train options `overrides` on top of its [train]."""
     path = Path(path)
     if not path.is_file():
-        raise StudyError(f"study file {path} does not exist; give a TOML file such as studies/depth.toml")
+        said = "is a folder" if path.is_dir() else "does not exist"
+        raise StudyError(f"study file {path} {said}; give a TOML file such as studies/depth.toml")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:

@@ -58,6 +58,7 @@ def test_every_bad_study_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     cases = [
         ("does not exist", tmp_path / "nope.toml"),
+        ("is a folder", tmp_path),
         ("is not valid TOML: Invalid value (at line 2, column 7)", "seeds = [1]\nbad = \n"),
         ("has no [variants]", "seeds = [1]\n[train]\nn_layer = 2\n"),
         ("variant 'v' has unknown mode 'resnet'", dict(variants={"v": {"residual": "resnet"}})),
@@ -197,6 +198,12 @@ def test_paired_statistics_by_hand():
     table = R.study_table(rows, "base")
     assert "| new | 3 | 2.0667 ± 0.1756 | -0.0333 ± 0.0441 | 2/3 |" in table and "2.00x" in table
     assert R.paired({1: 1.0}, {1: 1.5, 2: 2.0}) == (-0.5, None, 1, 1)  # one seed: no standard error
+    sweep = [dict(variant=v, sweep=lr, val_loss=loss) for v, losses in (("a", (3, 2, 1)), ("b", (3, 1, 2)))
+             for lr, loss in zip((1e-3, 3e-3, 1e-2), losses)]
+    assert R.study_best(sweep, "learning_rate") == ("lowest mean val loss by learning_rate: a 0.01 (at the "
+                                                    "sweep's edge: widen it), b 0.003")
+    assert R.study_best(sweep, "learning_rate", unswept=["a"]) == "lowest mean val loss by learning_rate: b 0.003"
+    assert R.study_best(sweep[:2] + sweep[3:5], "learning_rate") == ""  # two values: no inside
 
 
 # ---------------------------------------------------------------- tiny studies end to end
