@@ -143,14 +143,15 @@ def plan(study, runs, states):
                        + [count(len(study.variants) - len(once), "variant"), count(len(study.seeds), "seed")])
     shape += "".join(f", {v} once per seed" for v in once)
     left = (f"{len(runs) - done} to train" + (f" ({resumed} resumed)" if resumed else "")
-            + (f", about {duration(seconds)} (an estimate: finished runs' wall time, else one timed training "
-               f"step of each model plus its evaluations)" if len(runs) > done else ""))
+            + (f", about {duration(seconds)} (an estimate: finished runs' wall time, else a few timed training "
+               f"steps of each model plus its evaluations)" if len(runs) > done else ""))
     return f"study {study.name}: {len(runs)} runs ({shape}), {done} finished, {left}"
 
 
 def estimated_run_seconds(cfg):
-    """Seconds a whole run of cfg takes, from one timed training step on random tokens (after one untimed)
-    and its evaluations counted as forward passes at a third of a step each: a rough estimate."""
+    """Seconds a whole run of cfg takes, from the fastest of three timed training steps on random tokens
+    (after one untimed; the fastest, as others' work on a shared machine only slows a step down) and its
+    evaluations counted as forward passes at a third of a step each: a rough estimate."""
     import time
     import torch
     from delta_gpt import GPT
@@ -158,7 +159,8 @@ def estimated_run_seconds(cfg):
     model = GPT(T.model_config(cfg, ds.vocab_size)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     X = torch.randint(ds.vocab_size, (cfg.batch_size, cfg.block_size), device=device)
-    for _ in range(2):  # the first step warms up the allocator and kernels
+    times = []
+    for _ in range(4):  # the first step warms up the allocator and kernels
         t0 = time.perf_counter()
         for _ in range(cfg.gradient_accumulation_steps):
             model(X, X)[1].backward()
@@ -166,7 +168,8 @@ def estimated_run_seconds(cfg):
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        step_s = time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
+    step_s = min(times[1:])
     evals = cfg.max_iters // cfg.eval_interval + 1
     eval_s = evals * 2 * cfg.eval_iters * step_s / (3 * cfg.gradient_accumulation_steps)
     return cfg.max_iters * step_s + eval_s
