@@ -206,33 +206,48 @@ def bench(
 @friendly
 def compare(
     ctx: typer.Context,
-    residual: str = typer.Option("baseline,attnres,delta,delta_block", "--residual", help="comma-separated modes"),
-    seeds: str = typer.Option("1,2,3", "--seeds", help="comma-separated seeds"),
-    preset: Optional[str] = typer.Option(None, "--preset", help="training preset (default: cpu without CUDA)"),
-    max_iters: Optional[int] = typer.Option(None, "--max-iters", help="steps per run (default: the preset's)"),
-    out: Path = typer.Option(Path("runs/compare"), "--out", help="folder for the runs, compare.json/.md and curves.png"),
+    study: Optional[Path] = typer.Option(None, "--study", help="a TOML study file (see studies/): its variants, seeds, sweep and options"),
+    residual: Optional[str] = typer.Option(None, "--residual", help="comma-separated modes, without --study [default: baseline,attnres,delta,delta_block]"),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds, without --study [default: 1,2,3]"),
+    preset: Optional[str] = typer.Option(None, "--preset", help="training preset (default: the study's, else cpu without CUDA)"),
+    max_iters: Optional[int] = typer.Option(None, "--max-iters", help="steps per run (default: the study's or the preset's)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for the runs, compare.json/.md and the pictures [default: runs/compare, or runs/STUDY for --study FILE]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="train every run again, even finished ones in --out"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="check everything and print the plan and time estimate; train nothing"),
 ):
-    """Train each mode and seed on the same batches, then tabulate val loss, perplexity, sharpness, speed.
+    """Train each variant and seed on the same batches, then tabulate val loss, the paired difference to the
+    reference, routing sharpness and speed.
 
-    Any other train option (--n-layer 2, --eval-interval 100, ...) applies to every run. Finished runs in
-    --out are reused and unfinished ones resumed when their recorded settings match the ones asked for
-    (otherwise the command refuses, naming them), so an interrupted compare continues where it stopped.
+    compare --residual a,b,c compares modes; compare --study FILE runs a study file (see studies/). Any
+    other train option (--n-layer 2, --eval-interval 100, ...) applies to every run, on top of the study's
+    [train] (a variant's own options and the sweep keep theirs). Finished runs in --out are reused and
+    unfinished ones resumed when their recorded settings match the ones asked for (otherwise the command
+    refuses, naming them), so an interrupted compare continues where it stopped.
     """
     import compare as C
+    import study as S
     import train as T
-    try:
-        seed_list = [int(s) for s in seeds.split(",") if s]
-    except ValueError:
-        fail(f"--seeds takes comma-separated integers, got {seeds!r}")
+    if study is not None and (residual is not None or seeds is not None):
+        fail("--study sets its own variants and seeds; leave out --residual and --seeds")
     _, overrides = T.parse_args(ctx.args)
     if max_iters is not None:
         overrides["max_iters"] = max_iters
-    T.apply_process_settings(T.make_config(preset, **{k: v for k, v in overrides.items()
-                                                      if k in ("device", "threads", "keep_freed_memory")}))
-    table = C.compare([m for m in residual.split(",") if m], seed_list, preset, overrides, out, overwrite, typer.echo)
-    typer.echo(table)
-    typer.echo(f"\nwrote {out / 'compare.md'}, {out / 'compare.json'} and {out / 'curves.png'}")
+    if study is not None:
+        plan = S.load_study(study, overrides, preset)
+    else:
+        try:
+            seed_list = [int(s) for s in (seeds or "1,2,3").split(",") if s]
+        except ValueError:
+            fail(f"--seeds takes comma-separated integers, got {seeds!r}")
+        modes = [m for m in (residual or "baseline,attnres,delta,delta_block").split(",") if m]
+        plan = S.study_from_modes(modes, seed_list, preset, overrides)
+    out = out or Path("runs") / (plan.name if study is not None else "compare")
+    T.apply_process_settings(T.make_config(plan.preset, **{k: v for k, v in plan.train.items()
+                                                           if k in ("device", "threads", "keep_freed_memory")}))
+    table = C.run_study(plan, out, overwrite, typer.echo, dry_run)
+    if table is not None:
+        typer.echo(table)
+        typer.echo(f"\nwrote {out / 'compare.md'} and {out / 'compare.json'}")
 
 
 @app.command("eval")

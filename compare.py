@@ -1,17 +1,22 @@
 """
-Compare residual modes: train each mode and seed on the same batches, then tabulate and draw them.
+Compare residual modes: train each variant and seed on the same batches, then tabulate and draw them.
 
     python cli.py compare --residual baseline,delta --seeds 1,2,3 --max-iters 2000
+    python cli.py compare --study studies/depth.toml --out runs/depth
 
-Every run lives in OUT/MODE-sSEED. A finished run is reused and an unfinished one resumed, but only
-when the settings it recorded are the ones asked for now; otherwise the command refuses, naming the
-settings that differ, so a table never shows numbers of a run other than the one asked for.
+Both run a study (study.py; `--residual` builds one in memory): every run lives in OUT/VARIANT-sSEED
+(OUT/OPTION=VALUE/VARIANT-sSEED with a sweep). A finished run is reused and an unfinished one resumed, but
+only when the settings it recorded are the ones asked for now; otherwise the command refuses, naming the
+settings that differ, so a table never shows numbers of a run other than the one asked for. For a given
+seed every variant sees the same batches, so each is paired with the study's reference seed by seed.
 """
 import json
+import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import report as R
+import study as S
 import train as T
 
 
@@ -28,73 +33,156 @@ def settings_diff(recorded, asked):
 
 
 def recorded_settings(out_dir):
-    """The settings the run in out_dir recorded (last.pt, else config.json), or None when it holds no run."""
+    """(settings, step) of the run in out_dir: from last.pt, else config.json (step None: no checkpoint yet),
+    or (None, None) when it holds no run."""
     out_dir = Path(out_dir)
     if (out_dir / "last.pt").exists():
-        return T.load_checkpoint(out_dir / "last.pt", mmap=True)["config"], True
+        ckpt = T.load_checkpoint(out_dir / "last.pt", mmap=True)
+        return ckpt["config"], ckpt["iter_num"]
     if (out_dir / "config.json").exists():
-        return json.loads((out_dir / "config.json").read_text())["config"], False
-    return None, False
+        return json.loads((out_dir / "config.json").read_text())["config"], None
+    return None, None
 
 
-def train_or_reuse(cfg, overwrite=False, echo=print):
-    """Train the run cfg asks for, resume it, or reuse it when it is finished; with overwrite, train it afresh.
-    Refuses a run directory whose recorded settings differ from cfg's."""
-    recorded, has_checkpoint = recorded_settings(cfg.out_dir)
+def run_state(cfg, overwrite=False):
+    """(state, steps done) of the run cfg asks for: 'new' (nothing there), 'restart' (to train afresh),
+    'resume' or 'finished'. Refuses a run directory whose recorded settings differ from cfg's."""
+    recorded, step = recorded_settings(cfg.out_dir)
     if recorded is None or overwrite:
-        return T.train(replace(cfg, overwrite=recorded is not None))
+        return ("new" if recorded is None else "restart"), 0
     diff = settings_diff(run_settings(T.TrainConfig(**{k: v for k, v in recorded.items() if hasattr(cfg, k)})),
                          run_settings(cfg))
     if diff:
         raise T.ConfigError(f"{cfg.out_dir} holds a run with other settings: {'; '.join(diff)}; choose another "
                             f"--out, or pass --overwrite to train it again")
-    if not has_checkpoint:  # started with these settings but stopped before its first checkpoint
-        return T.train(replace(cfg, overwrite=True))
-    done = T.load_checkpoint(Path(cfg.out_dir) / "last.pt", mmap=True)["iter_num"]
-    if done >= cfg.max_iters:
+    if step is None:  # started with these settings but stopped before its first checkpoint
+        return "restart", 0
+    return ("finished" if step >= cfg.max_iters else "resume"), step
+
+
+def train_or_reuse(cfg, overwrite=False, echo=print):
+    """Train the run cfg asks for, resume it, or reuse it when it is finished; with overwrite, train it afresh.
+    Refuses a run directory whose recorded settings differ from cfg's."""
+    state, _ = run_state(cfg, overwrite)
+    if state == "finished":
         echo(f"{cfg.residual} seed {cfg.seed}: reusing the finished run in {cfg.out_dir}")
         return None
-    return T.train(replace(cfg, resume=True))
+    return T.train(replace(cfg, resume=state == "resume", overwrite=state == "restart"))
 
 
 def run_summary(out_dir, seed):
-    """What the table needs of one finished run, read from its metrics.jsonl and config.json."""
+    """What the table needs of one finished run, read from its metrics.jsonl and config.json: the last
+    evaluation's val loss and routing sharpness, the median training tokens/s, and the curve
+    [(step, val loss, elapsed seconds)]."""
     rows = T.read_metrics(out_dir)
     evals = [r for r in rows if r["kind"] == "eval"]
     speeds = sorted(r["tokens_per_s"] for r in rows if r["kind"] == "train")
+    routing = {k: v for k, v in (evals[-1].get("routing") or {}).items()
+               if not (isinstance(v, float) and math.isnan(v))}  # NaN: no sublayer with more than one source
     return dict(seed=seed, val_loss=evals[-1]["val_loss"], tokens_per_s=speeds[len(speeds) // 2] if speeds else None,
-                max_weight=(evals[-1].get("routing") or {}).get("mean_max_weight"),
+                max_weight=routing.get("mean_max_weight"), deep_max_weight=routing.get("deep_max_weight"),
+                entropy=routing.get("mean_entropy"), deep_entropy=routing.get("deep_entropy"),
+                steps=evals[-1]["step"], elapsed=evals[-1].get("elapsed"),
                 params=json.loads((Path(out_dir) / "config.json").read_text())["params"],
-                curve=[(r["step"], r["val_loss"]) for r in evals])
+                curve=[(r["step"], r["val_loss"], r.get("elapsed")) for r in evals])
 
 
 def compare(modes, seeds, preset=None, overrides=None, out="runs/compare", overwrite=False, echo=print):
-    """Train (or reuse) every mode x seed, then write OUT/compare.json, compare.md and curves.png.
-    Returns the table (Markdown). Options in `overrides` apply to every run; routing options to the routed
-    modes only."""
-    if not modes or any(m not in T.RESIDUALS for m in modes):
-        bad = next((m for m in modes if m not in T.RESIDUALS), "")
-        raise T.ConfigError(f"unknown mode {bad!r}; choose from {', '.join(T.RESIDUALS)}")
-    if not seeds:
-        raise T.ConfigError("--seeds needs at least one seed")
-    overrides, out = dict(overrides or {}), Path(out)
-    for key in ("residual", "seed", "out_dir", "resume", "overwrite"):
-        if key in overrides:
-            raise T.ConfigError(f"compare sets --{T.flag(key)} itself; leave it out")
-    configs = [T.make_config(preset, **{k: v for k, v in overrides.items() if mode != "baseline" or k not in T.ROUTE_FIELDS},
-                             residual=mode, seed=seed, out_dir=str(out / f"{mode}-s{seed}"))
-               for mode in modes for seed in seeds]  # every setting checked before anything trains
-    runs = {}
-    for cfg in configs:
-        train_or_reuse(cfg, overwrite, echo)
-        runs.setdefault(cfg.residual, []).append(run_summary(cfg.out_dir, cfg.seed))
-    curves = {mode: [run.pop("curve") for run in seed_runs] for mode, seed_runs in runs.items()}
-    rows = R.compare_rows(runs)
-    table = R.compare_table(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    R.save_json(dict(rows=rows, runs=runs), out / "compare.json")
-    (out / "compare.md").write_text(table + "\n")
-    cfg = configs[0]
-    R.draw_curves(curves, out / "curves.png", title=f"validation loss: preset {cfg.preset}, {cfg.dataset}, "
-                                                    f"{cfg.max_iters} steps, seeds {', '.join(map(str, seeds))}")
-    return table
+    """compare --residual: the study of one variant per mode (see study.study_from_modes), run by run_study.
+    Options in `overrides` apply to every run; routing options to the routed modes only."""
+    return run_study(S.study_from_modes(modes, seeds, preset, overrides), out, overwrite, echo)
+
+
+def run_study(study, out, overwrite=False, echo=print, dry_run=False):
+    """Train (or reuse, or resume) every run of the study, then write OUT/compare.json (every run's numbers),
+    compare.md (the table) and the pictures. Every setting, every existing run and the folder are checked
+    and the plan printed before anything trains. Returns the table (Markdown), or None for a dry run."""
+    out = Path(out)
+    runs = S.cross(study, out)
+    S.claim_folder(study, out, overwrite, write=False)
+    unique = list({r.cfg.out_dir: r for r in runs}.values())  # a run the sweep does not apply to, once
+    states = [run_state(r.cfg, overwrite) for r in unique]  # refuses runs with other settings before training
+    echo(plan(study, unique, states))
+    if dry_run:
+        return None
+    S.claim_folder(study, out, overwrite)
+    for r in unique:
+        train_or_reuse(r.cfg, overwrite, echo)
+    summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed))
+                 for r in runs]
+    option = study.sweep[0] if study.sweep else None
+    rows = R.study_rows(summaries, study.reference, option)
+    table = R.study_table(rows, study.reference, option)
+    R.save_json(dict(name=study.name, study=study.definition(), rows=rows, runs=summaries), out / "compare.json")
+    best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)])
+    (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in (best, R.study_notes(study.reference)) if t)
+                                    + "\n")
+    cfg = runs[0].cfg
+    title = (f"{study.name}: preset {cfg.preset}, {cfg.dataset}, {cfg.max_iters} steps, "
+             f"seeds {', '.join(map(str, study.seeds))}")
+    for path in R.draw_study(rows, summaries, study.reference, option, out, title):
+        echo(f"wrote {path}")
+    return table + (f"\n\n{best}" if best else "")
+
+
+def plan(study, runs, states):
+    """One line: how many runs the study has, how many are finished, and an estimate of the time left."""
+    done = sum(s == "finished" for s, _ in states)
+    per_run = {}  # (variant, sweep value) -> seconds of a whole run: a finished one's, else one timed step's
+    for r, (state, _) in zip(runs, states):
+        if state == "finished" and (r.variant, S.value_label(r.value)) not in per_run:
+            per_run[r.variant, S.value_label(r.value)] = run_summary(r.cfg.out_dir, r.seed)["elapsed"]
+    seconds = 0.0
+    for r, (state, step) in zip(runs, states):
+        if state == "finished":
+            continue
+        key = (r.variant, S.value_label(r.value))
+        if per_run.get(key) is None:
+            per_run[key] = estimated_run_seconds(r.cfg)
+        seconds += per_run[key] * (r.cfg.max_iters - step) / max(1, r.cfg.max_iters)
+    resumed = sum(s == "resume" for s, _ in states)
+    once = [v for v in study.variants if study.sweep and not S.sweep_applies(study, v)]
+    shape = " x ".join(([count(len(study.sweep[1]), f"{study.sweep[0]} value")] if study.sweep else [])
+                       + [count(len(study.variants) - len(once), "variant"), count(len(study.seeds), "seed")])
+    shape += "".join(f", {v} once per seed" for v in once)
+    left = (f"{len(runs) - done} to train" + (f" ({resumed} resumed)" if resumed else "")
+            + (f", about {duration(seconds)} (an estimate: finished runs' wall time, else a few timed training "
+               f"steps of each model plus its evaluations)" if len(runs) > done else ""))
+    return f"study {study.name}: {len(runs)} runs ({shape}), {done} finished, {left}"
+
+
+def estimated_run_seconds(cfg):
+    """Seconds a whole run of cfg takes, from the fastest of three timed training steps on random tokens
+    (after one untimed; the fastest, as others' work on a shared machine only slows a step down) and its
+    evaluations counted as forward passes at a third of a step each: a rough estimate."""
+    import time
+    import torch
+    from delta_gpt import GPT
+    ds, device = T.open_dataset(cfg), T.pick_device(cfg)
+    model = GPT(T.model_config(cfg, ds.vocab_size)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
+    X = torch.randint(ds.vocab_size, (cfg.batch_size, cfg.block_size), device=device)
+    times = []
+    for _ in range(4):  # the first step warms up the allocator and kernels
+        t0 = time.perf_counter()
+        for _ in range(cfg.gradient_accumulation_steps):
+            model(X, X)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step_s = min(times[1:])
+    evals = cfg.max_iters // cfg.eval_interval + 1
+    eval_s = evals * 2 * cfg.eval_iters * step_s / (3 * cfg.gradient_accumulation_steps)
+    return cfg.max_iters * step_s + eval_s
+
+
+def duration(seconds):
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def count(n, word):
+    return f"{n} {word}{'s' if n != 1 else ''}"

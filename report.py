@@ -180,9 +180,9 @@ def mean_std(xs):
     return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else None  # one seed: no spread
 
 
-def compare_rows(runs):
+def compare_rows(runs, reference="baseline"):
     """runs: {mode: [summary per seed]} -> a row per mode: val loss and perplexity (mean, std over
-    seeds), change against baseline in %, routing sharpness, tokens/s, parameters."""
+    seeds), change against the reference in %, routing sharpness, tokens/s, parameters."""
     rows = []
     for mode, seeds in runs.items():
         loss, loss_sd = mean_std([s["val_loss"] for s in seeds])
@@ -191,7 +191,7 @@ def compare_rows(runs):
         tok_s, _ = mean_std([s.get("tokens_per_s") for s in seeds])
         rows.append(dict(mode=mode, seeds=len(seeds), val_loss=loss, val_loss_std=loss_sd, ppl=ppl, ppl_std=ppl_sd,
                          max_weight=sharp, tokens_per_s=tok_s, params=seeds[0].get("params")))
-    base = next((r for r in rows if r["mode"] == "baseline"), None)
+    base = next((r for r in rows if r["mode"] == reference), None)
     for r in rows:
         r["ppl_change_pct"] = 100 * (r["ppl"] / base["ppl"] - 1) if base else None
     return rows
@@ -274,3 +274,169 @@ def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, 
     save_json({label: dict(stats, checkpoint=str(p)) for (label, stats), p in zip(reports, paths)}, written[0])
     draw_routing(reports, written[1])
     return routing_table(reports), written
+
+
+# ------------------------------------------------------------------------------------------------
+# studies: paired statistics per sweep value, their table and pictures
+
+def paired(values, refs):
+    """values, refs: {seed: x} -> (mean of x - ref over the seeds both have, its standard error (std of the
+    differences / sqrt(n); None for one seed), seeds where x < ref, n)."""
+    seeds = [s for s in values if s in refs and values[s] is not None and refs[s] is not None]
+    diffs = [values[s] - refs[s] for s in seeds]
+    if not diffs:
+        return None, None, 0, 0
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return statistics.fmean(diffs), se, sum(d < 0 for d in diffs), len(diffs)
+
+
+def loss_at(curve, t):
+    """The val loss of a curve [(step, val loss, elapsed s), ...] at wall time t, linearly interpolated
+    between evaluations (the first and last values outside them)."""
+    points = sorted((e, v) for _, v, e in curve if e is not None)
+    if t <= points[0][0]:
+        return points[0][1]
+    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+        if t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / max(t1 - t0, 1e-12)
+    return points[-1][1]
+
+
+def study_rows(summaries, reference, option=None):
+    """summaries: one dict per run (variant, sweep, seed, val_loss, tokens_per_s, routing stats, elapsed,
+    curve) -> a row per sweep value and variant: compare_rows' figures, the paired difference to the
+    reference (mean, standard error, seeds beaten), sharpness, speed relative to the reference, and the
+    paired difference at equal wall time: per seed both curves read at the shorter run's total time."""
+    rows = []
+    for value in dict.fromkeys(s["sweep"] for s in summaries):
+        group = {}
+        for s in summaries:
+            if s["sweep"] == value:
+                group.setdefault(s["variant"], []).append(s)
+        ref = {s["seed"]: s for s in group[reference]}
+        for row in compare_rows(group, reference):
+            variant = row.pop("mode")
+            runs, other = {s["seed"]: s for s in group[variant]}, variant != reference
+            diff, se, wins, n = paired({k: s["val_loss"] for k, s in runs.items()},
+                                       {k: s["val_loss"] for k, s in ref.items()})
+            at = {k: min(s["elapsed"], ref[k]["elapsed"]) for k, s in runs.items()
+                  if k in ref and s["elapsed"] is not None and ref[k]["elapsed"] is not None}
+            t_diff, t_se, _, _ = paired({k: loss_at(runs[k]["curve"], t) for k, t in at.items()},
+                                        {k: loss_at(ref[k]["curve"], t) for k, t in at.items()})
+            speed, ref_speed = (mean_std([s["tokens_per_s"] for s in g.values()])[0] for g in (runs, ref))
+            rows.append(dict(row, variant=variant, sweep=value, option=option,
+                             diff=diff if other else None, diff_se=se if other else None, wins=wins, paired=n,
+                             deep_max_weight=mean_std([s.get("deep_max_weight") for s in runs.values()])[0],
+                             entropy=mean_std([s.get("entropy") for s in runs.values()])[0],
+                             deep_entropy=mean_std([s.get("deep_entropy") for s in runs.values()])[0],
+                             speed_ratio=speed / ref_speed if speed and ref_speed else None,
+                             equal_time_diff=t_diff if other else None, equal_time_se=t_se if other else None,
+                             elapsed=mean_std([s.get("elapsed") for s in runs.values()])[0]))
+    return rows
+
+
+def signed(x, se, spec=".4f"):
+    return "-" if x is None else f"{x:+{spec}} ± {fmt(se, spec)}"
+
+
+def study_table(rows, reference, option=None):
+    """The study's Markdown table: a row per sweep value and variant."""
+    head = ([option] if option else []) + [
+        "variant", "seeds", "val loss", f"vs {reference}", "beat", "perplexity", "max weight", "deep max",
+        "entropy", "tokens/s", "speed", "vs ref, equal time", "params"]
+    body = [([str(r["sweep"])] if option else []) + [
+        r["variant"], r["seeds"], f"{fmt(r['val_loss'], '.4f')} ± {fmt(r['val_loss_std'], '.4f')}",
+        signed(r["diff"], r["diff_se"]), "-" if r["variant"] == reference else f"{r['wins']}/{r['paired']}",
+        "-" if r["ppl_change_pct"] is None else f"{r['ppl_change_pct']:+.2f}%",
+        fmt(r["max_weight"]), fmt(r["deep_max_weight"]), fmt(r["entropy"]), fmt(r["tokens_per_s"], ",.0f"),
+        "-" if r["speed_ratio"] is None else f"{r['speed_ratio']:.2f}x",
+        signed(r["equal_time_diff"], r["equal_time_se"]), f"{r['params']:,}"] for r in rows]
+    return markdown(head, body)
+
+
+def study_notes(reference):
+    """What the study table's columns mean (written under it in compare.md)."""
+    return (f"val loss: the last evaluation's, mean ± std over seeds. vs {reference}: the mean over seeds of each "
+            f"seed's difference to {reference} (the same batches), ± its standard error (std of the differences "
+            f"/ sqrt(n)); a difference within about two standard errors is no measurable difference. beat: seeds "
+            f"with a lower loss than {reference}. perplexity: the change of the mean perplexity. max weight, deep "
+            f"max: mean largest routing weight over routed sublayers with more than one source, and over the "
+            f"deeper half; entropy: normalised routing entropy H / log n (1 is uniform); all at the last "
+            f"evaluation. tokens/s: median training speed; speed: relative to {reference}. vs ref, equal time: "
+            f"the paired difference of the val loss curves (interpolated between evaluations) read at the "
+            f"shorter run's total wall time of each pair.")
+
+
+def draw_study(rows, summaries, reference, option, out, title=None):
+    """The study's pictures in folder out; returns their paths. With a sweep: loss.png (val loss ± std, and
+    the paired difference to the reference ± standard error, against the swept option) and sharpness.png
+    (max weight and entropy against it, routed variants); always the curves, one picture per sweep value."""
+    from pathlib import Path
+    out, written = Path(out), []
+    for value in dict.fromkeys(s["sweep"] for s in summaries):
+        curves = {}
+        for s in summaries:
+            if s["sweep"] == value:
+                curves.setdefault(s["variant"], []).append([(step, v) for step, v, _ in s["curve"]])
+        path = out / ("curves.png" if option is None else f"curves-{option}={value}.png")
+        draw_curves(curves, path, title if option is None else f"{title}; {option} = {value}")
+        written.append(path)
+    if option is not None:
+        written.append(draw_sweep(rows, option, [("val_loss", "val_loss_std", "validation loss (mean ± std)"),
+                                                 ("diff", "diff_se", f"val loss - {reference} (± s.e.)")],
+                                  out / "loss.png"))
+        if any(r["max_weight"] is not None for r in rows):
+            written.append(draw_sweep(rows, option, [("max_weight", None, "mean max routing weight"),
+                                                     ("entropy", None, "normalised routing entropy")],
+                                      out / "sharpness.png", deep=True))
+    return written
+
+
+def draw_sweep(rows, option, panels, path, deep=False):
+    """One panel per (key, error key, label): each variant's value against the swept option, with error
+    bars; with deep, the deeper half's figure dashed beside it. Log x for positive values spanning 4x or more."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    values = list(dict.fromkeys(r["sweep"] for r in rows))
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    xs = {v: v if numeric else i for i, v in enumerate(values)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (key, err, label) in zip(axes[0], panels):
+        for i, variant in enumerate(dict.fromkeys(r["variant"] for r in rows)):
+            mine = [r for r in rows if r["variant"] == variant and r[key] is not None]
+            if not mine:
+                continue
+            ax.errorbar([xs[r["sweep"]] for r in mine], [r[key] for r in mine], marker="o", capsize=3,
+                        color=f"C{i}", label=variant, yerr=[r[err] or 0 for r in mine] if err else None)
+            deep_key = {"max_weight": "deep_max_weight", "entropy": "deep_entropy"}.get(key)
+            if deep and deep_key:
+                ax.plot([xs[r["sweep"]] for r in mine], [r[deep_key] for r in mine], "--", color=f"C{i}", alpha=0.7)
+        if key == "diff":
+            ax.axhline(0, color="k", lw=0.8)
+        if numeric and min(values) > 0 and max(values) >= 4 * min(values):
+            ax.set_xscale("log")
+        ax.set_xticks([xs[v] for v in values], [str(v) for v in values])
+        ax.minorticks_off()
+        ax.set_xlabel(option)
+        ax.set_ylabel(label + (" (dashed: deeper half)" if deep else ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def study_best(rows, option, unswept=()):
+    """For a numeric sweep of three values or more, one line: each swept variant's value with the lowest mean
+    val loss, flagged when it lies at either end of the sweep (then widen the sweep); else ''."""
+    values = sorted(dict.fromkeys(r["sweep"] for r in rows)) if option else []
+    if len(values) < 3 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return ""
+    parts = []
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] not in unswept):
+        best = min((r for r in rows if r["variant"] == variant), key=lambda r: r["val_loss"])
+        edge = best["sweep"] in (values[0], values[-1])
+        parts.append(f"{variant} {best['sweep']}" + (" (at the sweep's edge: widen it)" if edge else ""))
+    return f"lowest mean val loss by {option}: " + ", ".join(parts)

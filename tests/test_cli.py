@@ -142,8 +142,9 @@ def test_compare_two_modes(tiny_data, tmp_path):
     out = ok(*args)
     assert "| baseline | 2 |" in out and "| delta | 2 |" in out and "+0.00%" in out
     result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    assert [r["mode"] for r in result["rows"]] == ["baseline", "delta"]
-    assert all(len(result["runs"][m]) == 2 for m in ("baseline", "delta"))
+    assert [r["variant"] for r in result["rows"]] == ["baseline", "delta"]
+    assert sorted((r["variant"], r["seed"]) for r in result["runs"]) == [("baseline", 1), ("baseline", 2),
+                                                                         ("delta", 1), ("delta", 2)]
     assert matplotlib.image.imread(tmp_path / "cmp" / "curves.png").shape[0] > 100
     assert "reusing the finished run" in ok(*args)  # a second compare reuses the runs
 
@@ -249,10 +250,12 @@ def test_compare_refuses_finished_runs_with_other_settings(tiny_data, tmp_path):
     args = ["compare", "--residual", "baseline", "--seeds", "1", "--out", tmp_path / "cmp",
             "--dataset", "tiny", "--data-dir", tiny_data, "--eval-interval", 2, *TINY]
     ok(*args, "--max-iters", 4)
+    refused("holds the runs of another study (it differs in train.max_iters (4 there, 2 here))", *args, "--max-iters", 2)
+    refused("train.n_embd (32 there, 64 here)", *args, "--max-iters", 4, "--n-embd", 64)
+    (tmp_path / "cmp" / "study.json").unlink()  # a folder of an older compare: each run's settings are checked
     refused("holds a run with other settings: max_iters (4 in the run, 2 asked)", *args, "--max-iters", 2)
-    refused("n_embd (32 in the run, 64 asked)", *args, "--max-iters", 4, "--n-embd", 64)
     out = ok(*args, "--max-iters", 2, "--overwrite")
-    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["runs"]["baseline"][0]["val_loss"]
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["runs"][0]["val_loss"]
     assert T.load_checkpoint(tmp_path / "cmp" / "baseline-s1" / "last.pt")["iter_num"] == 2
     assert "| baseline | 1 |" in out and "± -" in out  # one seed: no spread to show
 

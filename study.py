@@ -1,0 +1,293 @@
+"""
+Studies as files: which runs a comparison trains, read from a TOML file (or built from `compare --residual`).
+
+    seeds = [1, 2, 3]
+    reference = "baseline"          # the variant every other one is paired with (default "baseline")
+    preset = "cpu"                  # optional, the starting point of every run (--preset overrides it)
+    [train]                         # options for every run: any train option
+    n_embd = 64
+    [sweep]                         # optional: exactly one option and its values, crossed with every variant
+    n_layer = [4, 8, 16, 32]
+    [variants.baseline]             # each variant: a mode plus its own options
+    residual = "baseline"
+    [variants.attnres-full]
+    residual = "attnres"
+    n_route_blocks = "S"            # "S": one block per sublayer (2 * n_layer) at every depth
+
+Runs live in OUT/<variant>-s<seed>, or OUT/<option>=<value>/<variant>-s<seed> with a sweep. Routing
+options (n_route_blocks, route_partial, route_sources, route_lr_mult) do not apply to the baseline: [train]'s
+are left out of its runs, and a sweep over one trains the baseline once per seed, in OUT/<variant>-s<seed>,
+paired with the variants at every value. OUT/study.json records the study, so a folder holding another
+study's runs is refused. Every check runs before anything trains.
+"""
+import difflib
+import json
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+import train as T
+from errors import DeltaGPTError
+
+STUDY_KEYS = ("seeds", "reference", "preset", "train", "sweep", "variants")
+ROUTING_ONLY = ("n_route_blocks", "route_partial", "route_sources", "route_lr_mult")  # no use to a baseline
+SET_BY_COMPARE = ("seed", "out_dir", "resume", "overwrite")  # every run's own
+EVERY_SUBLAYER = "S"  # n_route_blocks = "S": N = 2 * n_layer
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+class StudyError(DeltaGPTError):
+    """A study file or study folder that cannot be used."""
+
+
+@dataclass
+class Study:
+    name: str
+    seeds: list
+    reference: str
+    preset: Optional[str]
+    train: dict                     # options of every run (command-line options already on top)
+    sweep: Optional[tuple]          # (option, [values]) or None
+    variants: dict                  # name -> {"residual": mode, option: value, ...}
+
+    def definition(self):
+        """What identifies the study (study.json): everything but its name."""
+        return dict(seeds=self.seeds, reference=self.reference, preset=self.preset, train=self.train,
+                    sweep=None if self.sweep is None else {self.sweep[0]: self.sweep[1]}, variants=self.variants)
+
+
+@dataclass
+class Run:
+    variant: str
+    value: object                   # the sweep value (None without a sweep)
+    seed: int
+    cfg: T.TrainConfig              # out_dir set: runs of a variant the sweep does not apply to share one
+
+
+def load_study(path, overrides=None, preset=None):
+    """The Study in a TOML file, with command-line train options `overrides` on top of its [train]."""
+    path = Path(path)
+    if not path.is_file():
+        said = "is a folder" if path.is_dir() else "does not exist"
+        raise StudyError(f"study file {path} {said}; give a TOML file such as studies/depth.toml")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise StudyError(f"{path} is not valid TOML: {e}; fix the file") from None
+    except UnicodeDecodeError:
+        raise StudyError(f"{path} is not UTF-8 text; save it as UTF-8") from None
+    return study_from_dict(raw, path.stem, overrides, preset, where=str(path))
+
+
+def study_from_modes(modes, seeds, preset=None, overrides=None):
+    """The study `compare --residual a,b,c` asks for: one variant per mode, paired with the baseline
+    (or the first mode when the baseline is not among them)."""
+    reference = "baseline" if "baseline" in modes else (modes[0] if modes else "baseline")
+    bad = next((m for m in modes if m not in T.RESIDUALS), None)
+    if not modes or bad is not None:
+        raise StudyError(f"unknown mode {bad or ''!r}; choose from {', '.join(T.RESIDUALS)}")
+    return study_from_dict(dict(seeds=list(seeds), reference=reference, variants={m: {"residual": m} for m in modes}),
+                           "compare", overrides, preset, where="compare")
+
+
+def study_from_dict(raw, name, overrides=None, preset=None, where="the study"):
+    """Check a study's parts (one StudyError naming the first problem) and return the Study."""
+    unknown = [k for k in raw if k not in STUDY_KEYS]
+    if unknown:
+        raise StudyError(f"{where}: unknown key {unknown[0]!r}; a study has {', '.join(STUDY_KEYS)}")
+    seeds = raw.get("seeds", [1, 2, 3])
+    if (not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds)
+            or len(set(seeds)) < len(seeds)):
+        raise StudyError(f"{where}: seeds must be a list of distinct integers, got {seeds!r}")
+    variants = raw.get("variants")
+    if not isinstance(variants, dict) or not variants:
+        raise StudyError(f"{where} has no [variants]; add at least one, e.g. [variants.baseline] with "
+                         f"residual = \"baseline\"")
+    train = checked_options(raw.get("train", {}), f"{where} [train]")
+    if "residual" in train:
+        raise StudyError(f"{where} [train] sets residual; each variant sets its own mode")
+    sweep = checked_sweep(raw.get("sweep"), where, train)
+    cli = checked_options(overrides or {}, "the command line", flag=True)
+    if sweep and sweep[0] in cli:
+        raise StudyError(f"--{T.flag(sweep[0])} is swept by {where}; leave it out (the command line overrides "
+                         f"[train] only)")
+    checked = {}
+    for vname, options in variants.items():
+        checked[vname] = checked_variant(vname, options, where, sweep)
+    folders = {}
+    for vname in checked:
+        other = folders.setdefault(vname.lower(), vname)
+        if other != vname:
+            raise StudyError(f"{where}: variants {other!r} and {vname!r} differ only in case and would share one "
+                             f"run folder on many disks; rename one")
+    reference = raw.get("reference", "baseline")
+    if reference not in checked:
+        raise StudyError(f"{where}: reference {reference!r} is not a variant; choose one of {', '.join(checked)}")
+    preset = preset or raw.get("preset")
+    if preset is not None and preset not in T.PRESETS:
+        raise StudyError(f"{where}: unknown preset {preset!r}; choose one of {', '.join(T.PRESETS)}")
+    return Study(name, seeds, reference, preset, {**train, **cli}, sweep, checked)
+
+
+def checked_options(options, where, flag=False):
+    """options with each name a TrainConfig field and each value of its type (ints taken for floats)."""
+    if not isinstance(options, dict):
+        raise StudyError(f"{where} must be a table of options")
+    kinds = {f.name: str(f.type) for f in fields(T.TrainConfig)}
+    out = {}
+    for key, value in options.items():
+        shown = f"--{T.flag(key)}" if flag else key
+        if key not in kinds or key == "preset":
+            close = difflib.get_close_matches(key, [k for k in kinds if k != "preset"], n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise StudyError(f"{where}: unknown option {key!r}{hint}")
+        if key in SET_BY_COMPARE:
+            raise StudyError(f"{where}: compare sets {shown} of each run itself; leave it out")
+        out[key] = checked_value(key, kinds[key], value, where)
+    return out
+
+
+def checked_value(key, kind, value, where):
+    if key == "n_route_blocks" and value == EVERY_SUBLAYER or value is None and "Optional" in kind:
+        return value  # None: from the command line's --option none
+    if "bool" in kind:
+        ok = isinstance(value, bool)
+    elif "int" in kind:
+        ok = type(value) is int
+    elif "float" in kind:
+        ok, value = type(value) in (int, float), float(value) if type(value) in (int, float) else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        expected = ("true or false" if "bool" in kind else "an integer" if "int" in kind else "a number"
+                    if "float" in kind else "a string")
+        extra = f' or "{EVERY_SUBLAYER}" (every sublayer)' if key == "n_route_blocks" else ""
+        raise StudyError(f"{where}: {key} expects {expected}{extra}, got {value!r}")
+    return value
+
+
+def checked_sweep(sweep, where, train):
+    """(option, values) of a [sweep] table of exactly one option, or None."""
+    if sweep is None:
+        return None
+    if not isinstance(sweep, dict) or len(sweep) != 1:
+        names = ", ".join(sweep) if isinstance(sweep, dict) else repr(sweep)
+        raise StudyError(f"{where}: [sweep] must hold exactly one option (it has {names or 'none'}); "
+                         f"sweep one option per study")
+    (key, values), = sweep.items()
+    if not isinstance(values, list) or not values:
+        raise StudyError(f"{where} [sweep]: {key} must be a list of values, got {values!r}")
+    values = [checked_options({key: v}, f"{where} [sweep]")[key] for v in values]
+    if key == "residual":
+        raise StudyError(f"{where} [sweep]: residual is each variant's own mode; make a variant per mode instead")
+    if key in train:
+        raise StudyError(f"{where}: {key} is both swept and set in [train]; set it in one place")
+    labels = [value_label(v) for v in values]
+    dup = next((l for l in labels if labels.count(l) > 1), None)
+    if dup is not None:
+        raise StudyError(f"{where} [sweep]: {key}={dup} is listed twice; list each value once")
+    return key, values
+
+
+def checked_variant(vname, options, where, sweep):
+    if not isinstance(vname, str) or not NAME.fullmatch(vname):
+        raise StudyError(f"{where}: variant name {vname!r} must be letters, digits, '.', '_', '+' or '-' (it names "
+                         f"a folder)")
+    if not isinstance(options, dict):
+        raise StudyError(f"{where}: variant {vname!r} must be a table, e.g. [variants.{vname}] residual = \"delta\"")
+    mode = options.get("residual")
+    if mode not in T.RESIDUALS:
+        said = "sets no residual" if mode is None else f"has unknown mode {mode!r}"
+        raise StudyError(f"{where}: variant {vname!r} {said}; set residual to one of {', '.join(T.RESIDUALS)}")
+    options = checked_options(options, f"{where}: variant {vname!r}")
+    if sweep and sweep[0] in options:
+        raise StudyError(f"{where}: variant {vname!r} sets {sweep[0]}, which [sweep] sweeps; drop one of the two")
+    return options
+
+
+def value_label(value):
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def sweep_applies(study, variant):
+    return study.sweep is not None and not (study.variants[variant]["residual"] == "baseline"
+                                            and study.sweep[0] in ROUTING_ONLY)
+
+
+def cross(study, out):
+    """Every Run of the study (sweep value x variant x seed), its TrainConfig built and checked; runs of
+    a variant the sweep does not apply to appear at every value with one out_dir. Refuses two variants that
+    would train the same model with the same settings."""
+    import compare as C
+    out = Path(out)
+    runs, seen = [], {}
+    for value in (study.sweep[1] if study.sweep else [None]):
+        for vname, options in study.variants.items():
+            swept = sweep_applies(study, vname)
+            base = {k: v for k, v in study.train.items() if options["residual"] != "baseline" or k not in ROUTING_ONLY}
+            kw = {**base, **options, **({study.sweep[0]: value} if swept else {})}
+            if kw.get("n_route_blocks") == EVERY_SUBLAYER:
+                kw["n_route_blocks"] = 2 * kw.get("n_layer", T.make_config(study.preset).n_layer)
+            folder = out / f"{study.sweep[0]}={value_label(value)}" if swept else out
+            at = f" at {study.sweep[0]}={value_label(value)}" if swept else ""
+            for seed in study.seeds:
+                try:
+                    cfg = T.make_config(study.preset, **kw, seed=seed, out_dir=str(folder / f"{vname}-s{seed}"))
+                except DeltaGPTError as e:
+                    raise StudyError(f"variant {vname!r}{at}: {e}") from None
+                runs.append(Run(vname, value, seed, cfg))
+            key = json.dumps({k: v for k, v in C.run_settings(cfg).items() if k != "seed"}, sort_keys=True, default=str)
+            other = seen.setdefault((value_label(value), key), vname)
+            if other != vname:
+                raise StudyError(f"variants {other!r} and {vname!r} train the same model with the same settings{at}; "
+                                 f"remove one or make them differ")
+    return runs
+
+
+def claim_folder(study, out, overwrite=False, write=True):
+    """Check that OUT holds no runs of another study (with --overwrite it is taken over), then (with write)
+    record this one in OUT/study.json. More seeds, sweep values or variants extend a study; a folder without
+    study.json (an older compare) is adopted: its runs' settings are checked one by one when reused."""
+    out = Path(out)
+    path = out / "study.json"
+    mine = json.loads(json.dumps(study.definition()))  # as it reads back
+    if path.exists() and not overwrite:
+        try:
+            theirs = json.loads(path.read_text())["study"]
+            diff = conflicts(theirs, mine)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise StudyError(f"{path} is unreadable; move it away if {out} holds no study's runs, or choose "
+                             f"another --out") from None
+        if diff:
+            raise StudyError(f"{out} holds the runs of another study (it differs in "
+                             + "; ".join(f"{k} ({json.dumps(a)} there, {json.dumps(b)} here)" for k, a, b in diff)
+                             + "); choose another --out, or pass --overwrite to train this study there afresh")
+    if not write:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(name=study.name, study=mine), indent=2) + "\n")
+    tmp.replace(path)
+
+
+def conflicts(theirs, mine):
+    """Where two study definitions differ in what makes their runs one study: the preset, [train], the
+    reference, the swept option and the options of each variant both have (seeds, sweep values and variants
+    may be added or dropped)."""
+    shared = set(theirs["variants"]) & set(mine["variants"])
+
+    def parts(d):
+        train = {k: v for k, v in d["train"].items() if k not in T.BOOKKEEPING_FIELDS}  # --threads 1 is no other study
+        return dict(preset=d["preset"], train=train, reference=d["reference"], sweep=list(d["sweep"] or {}),
+                    variants={k: v for k, v in d["variants"].items() if k in shared})
+    return differences(parts(theirs), parts(mine))
+
+
+def differences(a, b, prefix=""):
+    """[(dotted key, a's value, b's value)] where two nested dicts differ."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return [] if a == b else [(prefix, a, b)]
+    return [d for k in dict.fromkeys([*a, *b]) for d in differences(a.get(k), b.get(k), f"{prefix}{k}" if not prefix
+                                                                      else f"{prefix}.{k}")]

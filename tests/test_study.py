@@ -1,0 +1,269 @@
+"""Studies as files: the loader and its every bad input, the crossing of sweep and variants, paired statistics
+against a hand computation, a tiny study end to end, and the resume of an interrupted one."""
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+import cli
+import report as R
+import study as S
+import train as T
+
+runner = CliRunner()
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, max_iters=4, warmup_iters=2,
+            eval_interval=2, eval_iters=2, log_interval=1, ckpt_interval=2, progress=False, dataset="tiny")
+
+
+def toml(value):
+    return json.dumps(value) if not isinstance(value, bool) else str(value).lower()  # JSON scalars are TOML's
+
+
+def study_file(path, tiny_data=None, seeds=(1, 2), train=None, sweep=None, variants=None, top=""):
+    """A study file: [train] (TINY on the tiny dataset when tiny_data is given), [sweep] and [variants]."""
+    train = {**(dict(TINY, data_dir=str(tiny_data)) if tiny_data else {}), **(train or {})}
+    lines = [f"seeds = {list(seeds)}", top, "[train]"] + [f"{k} = {toml(v)}" for k, v in train.items()]
+    if sweep:
+        lines += ["[sweep]"] + [f"{k} = {json.dumps(v)}" for k, v in sweep.items()]
+    for name, options in (variants if variants is not None else
+                          {"baseline": {"residual": "baseline"}, "delta": {"residual": "delta"}}).items():
+        lines += [f"[variants.{name}]"] + [f"{k} = {toml(v)}" for k, v in options.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run(*args):
+    result = runner.invoke(cli.app, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    return result
+
+
+def ok(*args):
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def refused(message, *args):
+    result = run(*args)
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+# ---------------------------------------------------------------- the loader and its bad input
+
+def test_every_bad_study_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    cases = [
+        ("does not exist", tmp_path / "nope.toml"),
+        ("is a folder", tmp_path),
+        ("is not valid TOML: Invalid value (at line 2, column 7)", "seeds = [1]\nbad = \n"),
+        ("has no [variants]", "seeds = [1]\n[train]\nn_layer = 2\n"),
+        ("variant 'v' has unknown mode 'resnet'", dict(variants={"v": {"residual": "resnet"}})),
+        ("variant 'v' sets no residual", dict(variants={"v": {"n_layer": 2}})),
+        ("variant 'v': unknown option 'n_layers'; did you mean n_layer?",
+         dict(variants={"v": {"residual": "delta", "n_layers": 2}})),
+        ("variant 'v': n_layer expects an integer", dict(variants={"v": {"residual": "delta", "n_layer": "two"}})),
+        ("[sweep] must hold exactly one option (it has n_layer, learning_rate)",
+         dict(sweep={"n_layer": [2, 4], "learning_rate": [1e-3]})),
+        ("variant 'delta' sets n_layer, which [sweep] sweeps",
+         dict(sweep={"n_layer": [2, 4]}, variants={"baseline": {"residual": "baseline"},
+                                                   "delta": {"residual": "delta", "n_layer": 2}})),
+        ("n_layer is both swept and set in [train]", dict(train={"n_layer": 2}, sweep={"n_layer": [2, 4]})),
+        ("reference 'base' is not a variant; choose one of baseline, delta", dict(top='reference = "base"')),
+        ("[sweep]: n_layer=2 is listed twice", dict(sweep={"n_layer": [2, 4, 2]})),
+        ("variants 'delta' and 'Delta' differ only in case",
+         dict(variants={"delta": {"residual": "delta"}, "Delta": {"residual": "delta", "n_layer": 4}},
+              top='reference = "delta"')),
+        ("variants 'delta' and 'again' train the same model with the same settings",
+         dict(variants={"delta": {"residual": "delta"}, "again": {"residual": "delta", "route_sources": "delta"}},
+              top='reference = "delta"')),
+        ("variant 'delta' at n_layer=2: n_route_blocks=2 but residual='delta' routes per sublayer",
+         dict(sweep={"n_layer": [2]}, variants={"delta": {"residual": "delta", "n_route_blocks": 2}},
+              top='reference = "delta"')),
+        ("compare sets seed of each run itself", dict(train={"seed": 3})),
+        ("unknown key 'variant'", dict(top='[variant.x]\nresidual = "delta"')),
+    ]
+    for i, (message, spec) in enumerate(cases):
+        path = tmp_path / f"s{i}.toml"
+        if isinstance(spec, str):
+            path.write_text(spec)
+        elif isinstance(spec, dict):
+            study_file(path, **spec)
+        else:
+            path = spec
+        refused(message, "compare", "--study", path, "--out", out)
+        assert not out.exists(), message
+    good = study_file(tmp_path / "good.toml")
+    refused("--study sets its own variants and seeds", "compare", "--study", good, "--seeds", "1")
+    refused("--n-layer is swept by", "compare", "--study", study_file(tmp_path / "sw.toml", sweep={"n_layer": [2, 4]}),
+            "--n-layer", "3", "--out", out)
+    assert not out.exists()
+
+
+def test_a_folder_of_another_study_is_refused_and_kept(tmp_path):
+    out = tmp_path / "out"
+    first = S.load_study(study_file(tmp_path / "a.toml", train={"n_layer": 2}))
+    S.claim_folder(first, out)
+    (out / "baseline-s1").mkdir()
+    (out / "baseline-s1" / "metrics.jsonl").write_text("mine\n")
+    before = (out / "study.json").read_text()
+    refused("holds the runs of another study (it differs in train.n_layer (2 there, 4 here))", "compare", "--study",
+            study_file(tmp_path / "b.toml", train={"n_layer": 4}), "--out", out)
+    refused('it differs in variants.delta.route_sources (null there, "cumulative" here)', "compare", "--study",
+            study_file(tmp_path / "c.toml", train={"n_layer": 2}, variants={
+                "baseline": {"residual": "baseline"}, "delta": {"residual": "delta", "route_sources": "cumulative"}}),
+            "--out", out)
+    refused('sweep ([] there, ["learning_rate"] here)', "compare", "--study",
+            study_file(tmp_path / "d.toml", train={"n_layer": 2}, sweep={"learning_rate": [1e-3]}), "--out", out)
+    assert (out / "study.json").read_text() == before
+    assert (out / "baseline-s1" / "metrics.jsonl").read_text() == "mine\n"
+    S.claim_folder(first, out)  # the same study again: accepted, and with other bookkeeping options
+    S.claim_folder(S.load_study(tmp_path / "a.toml", overrides={"threads": 1, "log_interval": 5}), out)
+    more = S.load_study(study_file(tmp_path / "e.toml", seeds=[1, 2, 3], train={"n_layer": 2}, variants={
+        "baseline": {"residual": "baseline"}, "delta": {"residual": "delta"}, "attnres": {"residual": "attnres"}}))
+    S.claim_folder(more, out)  # more seeds and another variant extend the study
+    assert json.loads((out / "study.json").read_text())["study"]["seeds"] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- the crossing of sweep and variants
+
+def test_sweep_crossed_with_variants(tmp_path):
+    path = study_file(tmp_path / "s.toml", train={"route_lr_mult": 0.5, "learning_rate": 1e-3}, sweep={"n_layer": [2, 4]},
+                      variants={"baseline": {"residual": "baseline"}, "full": {"residual": "attnres", "n_route_blocks": "S"},
+                                "fast": {"residual": "delta", "learning_rate": 0.01}})
+    study = S.load_study(path, overrides={"learning_rate": 2e-3, "max_iters": 7})
+    runs = S.cross(study, tmp_path / "out")
+    got = {(r.variant, r.value, r.seed): r.cfg for r in runs}
+    assert len(runs) == 12 and len(got) == 12
+    for (variant, n_layer, seed), cfg in got.items():
+        assert cfg.out_dir == str(tmp_path / "out" / f"n_layer={n_layer}" / f"{variant}-s{seed}")
+        assert (cfg.n_layer, cfg.seed, cfg.max_iters) == (n_layer, seed, 7)  # the command line's max_iters
+        assert cfg.learning_rate == (0.01 if variant == "fast" else 2e-3)  # a variant keeps its own options
+        assert cfg.route_lr_mult == (1.0 if variant == "baseline" else 0.5)  # routing options: routed variants only
+    assert got["full", 2, 1].n_route_blocks == 4 and got["full", 4, 1].n_route_blocks == 8  # "S": every sublayer
+    # a sweep over a routing option trains the baseline once per seed, paired at every value
+    study = S.load_study(study_file(tmp_path / "r.toml", seeds=[1], sweep={"route_lr_mult": [0.1, 0.3]}))
+    dirs = {(r.variant, r.value): r.cfg.out_dir for r in S.cross(study, tmp_path / "out")}
+    assert dirs["baseline", 0.1] == dirs["baseline", 0.3] == str(tmp_path / "out" / "baseline-s1")
+    assert dirs["delta", 0.3] == str(tmp_path / "out" / "route_lr_mult=0.3" / "delta-s1")
+
+
+def test_shipped_studies_cross_into_valid_runs(tmp_path):
+    from conftest import ROOT
+    paths = sorted((ROOT / "studies").glob("*.toml"))
+    assert {p.stem for p in paths} >= {"depth", "grid", "blocks", "depth-lr-4", "depth-lr-32", "route-lr"}
+    for path in paths:
+        study = S.load_study(path)
+        runs = S.cross(study, tmp_path / path.stem)  # every run's settings checked, nothing trained
+        values = len(study.sweep[1]) if study.sweep else 1
+        once = [v for v in study.variants if study.sweep and not S.sweep_applies(study, v)]
+        unique = {r.cfg.out_dir for r in runs}
+        assert len(unique) == len(study.seeds) * (values * (len(study.variants) - len(once)) + len(once)), path
+        assert all(r.cfg.n_embd == 64 and r.cfg.dataset == "shakespeare_char" for r in runs), path
+
+
+def test_compare_residual_is_a_study_in_memory():
+    study = S.study_from_modes(["attnres", "delta"], [1, 2], overrides={"n_route_blocks": 8})
+    assert study.reference == "attnres" and study.variants == {"attnres": {"residual": "attnres"},
+                                                                "delta": {"residual": "delta"}}
+    assert S.study_from_modes(["delta", "baseline"], [1]).reference == "baseline"
+
+
+# ---------------------------------------------------------------- paired statistics
+
+def summary(variant, seed, val_loss, tokens_per_s, curve, max_weight=None):
+    return dict(variant=variant, sweep=None, seed=seed, val_loss=val_loss, tokens_per_s=tokens_per_s,
+                max_weight=max_weight, deep_max_weight=max_weight, entropy=None, deep_entropy=None,
+                elapsed=curve[-1][2], params=100, curve=curve)
+
+
+def test_paired_statistics_by_hand():
+    ref = [summary("base", s, v, 500.0, [(0, 3.0, 0.0), (10, v, 100.0)]) for s, v in ((1, 2.0), (2, 2.1), (3, 2.2))]
+    var = [summary("new", s, v, 1000.0, [(0, 3.0, 0.0), (10, v, 200.0)], 0.5) for s, v in ((1, 1.9), (2, 2.05), (3, 2.25))]
+    rows = R.study_rows(ref + var, "base")
+    base, new = rows
+    # differences -0.1, -0.05, +0.05: mean -1/30; deviations -1/15, -1/60, 1/12, so the std is
+    # sqrt((1/225 + 1/3600 + 1/144) / 2) = sqrt(7/1200) and the standard error sqrt(7/1200) / sqrt(3)
+    assert new["diff"] == pytest.approx(-1 / 30) and new["diff_se"] == pytest.approx(math.sqrt(7 / 1200 / 3))
+    assert (new["wins"], new["paired"], new["seeds"]) == (2, 3, 3)
+    assert new["val_loss"] == pytest.approx(2.0666666) and base["val_loss"] == pytest.approx(2.1)
+    assert new["speed_ratio"] == 2.0 and base["speed_ratio"] == 1.0 and base["diff"] is None
+    # equal wall time: the shorter run's 100 s; the variant's curve is then halfway, 3 - (3 - v) / 2
+    halfway = [3 - (3 - v) / 2 - r for v, r in ((1.9, 2.0), (2.05, 2.1), (2.25, 2.2))]
+    assert new["equal_time_diff"] == pytest.approx(sum(halfway) / 3)
+    assert new["max_weight"] == 0.5 and base["max_weight"] is None
+    table = R.study_table(rows, "base")
+    assert "| new | 3 | 2.0667 ± 0.1756 | -0.0333 ± 0.0441 | 2/3 |" in table and "2.00x" in table
+    assert R.paired({1: 1.0}, {1: 1.5, 2: 2.0}) == (-0.5, None, 1, 1)  # one seed: no standard error
+    sweep = [dict(variant=v, sweep=lr, val_loss=loss) for v, losses in (("a", (3, 2, 1)), ("b", (3, 1, 2)))
+             for lr, loss in zip((1e-3, 3e-3, 1e-2), losses)]
+    assert R.study_best(sweep, "learning_rate") == ("lowest mean val loss by learning_rate: a 0.01 (at the "
+                                                    "sweep's edge: widen it), b 0.003")
+    assert R.study_best(sweep, "learning_rate", unswept=["a"]) == "lowest mean val loss by learning_rate: b 0.003"
+    assert R.study_best(sweep[:2] + sweep[3:5], "learning_rate") == ""  # two values: no inside
+
+
+# ---------------------------------------------------------------- tiny studies end to end
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
+    path = study_file(tmp_path / "tiny.toml", tiny_data, sweep={"learning_rate": [1e-3, 3e-3]})
+    out = tmp_path / "out"
+    plan = ok("compare", "--study", path, "--out", out, "--dry-run")
+    assert "study tiny: 8 runs (2 learning_rate values x 2 variants x 2 seeds), 0 finished, 8 to train" in plan
+    assert "estimate" in plan and not out.exists()
+    table = ok("compare", "--study", path, "--out", out)
+    result = json.loads((out / "compare.json").read_text())
+    assert result["study"]["sweep"] == {"learning_rate": [1e-3, 3e-3]}
+    runs = {(r["variant"], r["sweep"], r["seed"]): r for r in result["runs"]}
+    assert sorted(runs) == sorted((v, lr, s) for v in ("baseline", "delta") for lr in (1e-3, 3e-3) for s in (1, 2))
+    for (variant, lr, seed), r in runs.items():
+        run_dir = out / f"learning_rate={lr}" / f"{variant}-s{seed}"
+        config = json.loads((run_dir / "config.json").read_text())["config"]
+        assert (config["residual"], config["learning_rate"], config["seed"]) == (variant, lr, seed)
+        evals = [m for m in T.read_metrics(run_dir) if m["kind"] == "eval"]
+        assert r["val_loss"] == evals[-1]["val_loss"] and r["steps"] == 4
+        assert (r["max_weight"] is None) == (variant == "baseline")
+    for lr in (1e-3, 3e-3):
+        row = next(r for r in result["rows"] if r["variant"] == "delta" and r["sweep"] == lr)
+        diffs = [runs["delta", lr, s]["val_loss"] - runs["baseline", lr, s]["val_loss"] for s in (1, 2)]
+        assert row["diff"] == pytest.approx(sum(diffs) / 2) and row["wins"] == sum(d < 0 for d in diffs)
+        assert f"| {lr} | delta | 2 | {row['val_loss']:.4f} ± {row['val_loss_std']:.4f} | {row['diff']:+.4f}" in table
+        assert (out / f"curves-learning_rate={lr}.png").exists()
+    assert (out / "compare.md").read_text().split("\n\n")[0] in table and (out / "loss.png").exists()
+    monkeypatch.setattr(T, "train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
+    again = ok("compare", "--study", path, "--out", out)
+    assert "8 finished, 0 to train" in again and again.count("reusing the finished run") == 8
+
+
+@pytest.mark.slow
+def test_interrupted_study_resumes_where_it_stopped(tiny_data, tmp_path, monkeypatch):
+    path = study_file(tmp_path / "blocks.toml", tiny_data, seeds=[1], sweep={"n_route_blocks": [1, 2]},
+                      variants={"baseline": {"residual": "baseline"}, "db": {"residual": "delta_block"}})
+    out = tmp_path / "out"
+    step = T.train_step
+
+    def signal_at_step_2(run, stop):  # as Ctrl-C would: the run writes last.pt at step 2 and stops
+        if run.cfg.out_dir.endswith("n_route_blocks=1/db-s1") and run.iter_num == 2:
+            return None
+        return step(run, stop)
+
+    monkeypatch.setattr(T, "train_step", signal_at_step_2)
+    assert run("compare", "--study", path, "--out", out).exit_code == 130
+    monkeypatch.setattr(T, "train_step", step)
+    interrupted = out / "n_route_blocks=1" / "db-s1" / "last.pt"
+    assert T.load_checkpoint(interrupted)["iter_num"] == 2 and not (out / "n_route_blocks=2").exists()
+    finished = (out / "baseline-s1" / "last.pt").stat().st_mtime_ns
+    trained, train = [], T.train
+    monkeypatch.setattr(T, "train", lambda cfg: trained.append((cfg.out_dir, cfg.resume)) or train(cfg))
+    again = ok("compare", "--study", path, "--out", out)
+    assert "3 runs (2 n_route_blocks values x 1 variant x 1 seed, baseline once per seed), 1 finished, " \
+           "2 to train (1 resumed)" in again
+    assert trained == [(str(out / "n_route_blocks=1" / "db-s1"), True), (str(out / "n_route_blocks=2" / "db-s1"), False)]
+    assert (out / "baseline-s1" / "last.pt").stat().st_mtime_ns == finished and "reusing the finished run" in again
+    assert T.load_checkpoint(interrupted)["iter_num"] == 4
+    rows = json.loads((out / "compare.json").read_text())["rows"]
+    assert [(r["sweep"], r["variant"]) for r in rows] == [(1, "baseline"), (1, "db"), (2, "baseline"), (2, "db")]
