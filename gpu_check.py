@@ -109,10 +109,16 @@ def warnings():
 # ------------------------------------------------------------------------------------------------
 # running the parts
 
-def start(cmd, log):
+# every part: unbuffered logs (a stopped part's log ends where it stopped), Inductor's on-disk caches on
+CHILD_ENV = dict(PYTHONUNBUFFERED="1", TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+WARM_ENV = dict(TORCHINDUCTOR_COMPILE_THREADS="4")  # four warm-ups share the cores with the tests
+
+
+def start(cmd, log, **env):
     """Popen of cmd in the repository, its output to the file `log`, in its own process group."""
     f = open(log, "w")
-    p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                         env={**os.environ, **CHILD_ENV, **env})
     p.log = f
     return p
 
@@ -230,19 +236,22 @@ def targets(rows):
 
 
 def bench_rows(path, result, seconds):
-    """Table rows from bench.py's --json file (possibly partial: a mode per row as each finished)."""
+    """Table rows from bench.py's --json file (possibly partial: it is written as each mode finishes); one
+    row with `result` when it holds no mode at all."""
     try:
         rows = json.loads(Path(path).read_text())["rows"]
     except (OSError, ValueError, KeyError):
         rows = []
+    if not rows:
+        return [dict(part="bench", mode=None, result=result, seconds=seconds)]
     out = []
     for variant in ("eager", "compiled"):
         for m in MODES:
             r = next((r for r in rows if r["mode"] == m), None)
-            if r is None or f"{variant}_tok_s" not in r and f"{variant}_error" not in r:
-                out.append(dict(part=f"bench {variant}", mode=m, result=result if result != "ok" else "missing"))
+            if r is None or f"{variant}_tok_s" not in r:
+                out.append(dict(part=f"bench {variant}", mode=m, result=f"not reached ({result})"))
                 continue
-            out.append(dict(part=f"bench {variant}", mode=m, tok_s=r.get(f"{variant}_tok_s"), mfu=r.get(f"{variant}_mfu"),
+            out.append(dict(part=f"bench {variant}", mode=m, tok_s=r[f"{variant}_tok_s"], mfu=r.get(f"{variant}_mfu"),
                             peak=r.get(f"{variant}_peak"), result=r.get(f"{variant}_error", "ok")))
     out[0]["seconds"] = seconds
     return out
@@ -263,7 +272,8 @@ def run_tests_and_warm(args, out, t0, deadline):
             batch = args.batch_size if "bench" in args.parts else 0
             command = [str(c) for c in train_command(m, args.steps, args.runs / f"warm-{m}", args.train_args.split())
                        + ["--max-iters", 1, "--eval-iters", 1]] if "train" in args.parts else []
-            warm.append((m, start([sys.executable, "-c", WARM, m, batch, json.dumps(command)], out / f"warm-{m}.log")))
+            warm.append((m, start([sys.executable, "-c", WARM, m, batch, json.dumps(command)], out / f"warm-{m}.log",
+                                  **WARM_ENV)))
         log(t0, f"warm-up: compiling {len(warm)} modes' graphs in the background")
     row, t_warm = None, time.time()
     if "tests" in args.parts:
@@ -314,7 +324,8 @@ def run_train(args, out, t0, deadline):
     rows = []
     for i, m in enumerate(MODES):
         t = time.time()
-        limit = (deadline - time.time() - 5) / (len(MODES) - i)  # what a slower run leaves over passes on
+        # what a faster run leaves over passes on; 25 s kept for stopping a run that overruns and the table
+        limit = (deadline - time.time() - 25) / (len(MODES) - i)
         run_dir = Path(args.runs) / m
         p = start(train_command(m, args.steps, run_dir, args.train_args.split()), out / f"train-{m}.log")
         rc = finish(p, limit)

@@ -65,7 +65,7 @@ def test_table_and_targets_on_made_up_rows(tmp_path):
     assert "| CUDA tests | - | - | - | - | - | - | - | 20 passed | 95 |" in lines
     assert "| bench eager | delta | - | - | - | - | - | - | out of memory | - |" in lines
     assert "| bench compiled | attnres | 1,800 | 0.900 | 38.0% | 1.20 | 1.200 | - | ok | - |" in lines
-    assert "| bench compiled | delta_block | - | - | - | - | - | - | timed out after 150 s | - |" in lines
+    assert "| bench compiled | delta_block | - | - | - | - | - | - | not reached (timed out after 150 s) | - |" in lines
     assert "| bench eager | baseline | 1,000 | 1.000 | 30.0% | 2.00 | 1.000 | - | ok | 150 |" in lines
     assert "| train 500 steps | delta | 380,000 | 0.950 | - | - | - | 1.5800 | ok | 30 |" in lines
     assert G.targets(table_rows) == [
@@ -76,6 +76,11 @@ def test_table_and_targets_on_made_up_rows(tmp_path):
         "- attnres peak memory <= 1.15x baseline: missed (1.200)",
         "- delta peak memory <= 1.15x baseline: met (1.100)",
         "- delta_block peak memory <= 1.15x baseline: not measured"]
+
+
+def test_bench_that_wrote_nothing_is_one_row(tmp_path):
+    assert G.bench_rows(tmp_path / "none.json", "exit 1: error: no GPU", 3.0) == [
+        dict(part="bench", mode=None, result="exit 1: error: no GPU", seconds=3.0)]
 
 
 def test_junit_result(tmp_path):
