@@ -274,7 +274,7 @@ def log(t0, message):
 def run_tests_and_warm(args, out, t0, deadline):
     """The CUDA tests, with the warm-up compiles beside them. Returns the tests' table row (or None)."""
     warm = []
-    if not args.no_warm and ({"bench", "train"} & set(args.parts)):
+    if not args.no_warm and {"bench", "train"} & set(args.parts):
         for m in MODES:
             batch = args.batch_size if "bench" in args.parts else 0
             command = [str(c) for c in train_command(m, args.steps, args.runs / f"warm-{m}", args.train_args.split())
@@ -394,12 +394,14 @@ def main(argv=None):
     head = header()
     log(t0, f"gpu-check: {head}; parts {', '.join(args.parts)}, budget {args.budget:.0f} s; logs in {args.out}")
     rows, elapsed = [], {}
-    for part, fn in (("tests", run_tests_and_warm), ("bench", run_bench), ("train", run_train)):
-        if part in args.parts or (part == "tests" and not args.no_warm):
+    warm = not args.no_warm and bool({"bench", "train"} & set(args.parts))
+    first = " and ".join(n for n, on in (("tests", "tests" in args.parts), ("warm-up", warm)) if on)
+    for name, fn in ((first, run_tests_and_warm), ("bench", run_bench), ("train", run_train)):
+        if name == first and first or name in args.parts:
             t = time.time()
             got = fn(args, args.out, t0, deadline)
             rows += [got] if isinstance(got, dict) else (got or [])
-            elapsed[part if part != "tests" or "tests" in args.parts else "warm-up"] = time.time() - t
+            elapsed[name] = time.time() - t
     ok = all(r.get("ok") for r in rows) and bool(rows)
     text = "\n".join([f"gpu-check: {head}", "", table(rows), "",
                       "Targets (issue 16; compiled benchmark rows):", *targets(rows), "",

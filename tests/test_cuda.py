@@ -206,7 +206,7 @@ def test_compiled_activation_memory_linear_in_depth():
     def held(residual, n_layer):
         torch._dynamo.reset()
         model = model_of(tiny(residual, n_layer=n_layer, n_embd=128))
-        return activation_bytes(torch.compile(model), idx)
+        return activation_bytes(torch.compile(model, fullgraph=True), idx)
 
     r1, r4 = (held("delta", L) / held("baseline", L) for L in (1, 4))
     torch._dynamo.reset()
