@@ -27,13 +27,26 @@ VOCAB = 61
 ROUTED = [m for m in RESIDUALS if m != "baseline"]
 
 
+def tf32(on):
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+
+
 @pytest.fixture(autouse=True)
 def exact_float32():
-    """fp32 references in true float32: train.train turns TF32 on for the process; these tests turn it off."""
+    """fp32 references in true float32: train.train turns TF32 on for the process (run_train turns it off
+    again), so these tests turn it off, and restore it after."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    tf32(False)
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def run_train(cfg):
+    """train.train(cfg), with TF32 off again afterwards."""
+    try:
+        return train.train(cfg)
+    finally:
+        tf32(False)
 
 
 def tiny(residual="baseline", **kw):
@@ -147,10 +160,10 @@ def test_fp16_grad_scaler_skips_an_inf_step_and_goes_on(tiny_data, tmp_path):
     def run(name, max_iters, inf_at=None):
         cfg = tiny_run(tiny_data, tmp_path, name, dtype="float16", max_iters=max_iters, decay_lr=False)
         if inf_at is None:
-            summary = train.train(cfg)
+            summary = run_train(cfg)
         else:
             with InfGradientAt(inf_at) as hook:
-                summary = train.train(cfg)
+                summary = run_train(cfg)
             assert hook.seen == max_iters  # one training forward per step (no accumulation)
         return summary, train.load_checkpoint(Path(cfg.out_dir) / "last.pt")
 
@@ -256,7 +269,7 @@ def test_kv_cache_generation_equals_recompute(residual):
 
 def test_checkpoints_move_between_cuda_and_cpu(tiny_data, tmp_path):
     cfg = tiny_run(tiny_data, tmp_path, "run", residual="delta", max_iters=2)
-    train.train(cfg)
+    run_train(cfg)
     path = Path(cfg.out_dir) / "last.pt"
     on_cpu = train.load_checkpoint(path, map_location="cpu")
     assert all(v.device.type == "cpu" for v in on_cpu["model"].values())
@@ -267,8 +280,8 @@ def test_checkpoints_move_between_cuda_and_cpu(tiny_data, tmp_path):
         torch.testing.assert_close(cpu_model(idx.cpu())[0], cuda_model(idx)[0].cpu(), atol=1e-4, rtol=1e-4)
     # a CUDA run resumed on the CPU, and that CPU checkpoint resumed on CUDA
     for device, steps in (("cpu", 4), ("cuda", 6)):
-        summary = train.train(tiny_run(tiny_data, tmp_path, "run", residual="delta", device=device, max_iters=steps,
-                                       resume=True))
+        summary = run_train(tiny_run(tiny_data, tmp_path, "run", residual="delta", device=device, max_iters=steps,
+                                     resume=True))
         assert summary["iter_num"] == steps and math.isfinite(summary["val_loss"])
     resumed = train.load_checkpoint(path, map_location="cpu")
     assert resumed["iter_num"] == 6 and resumed["config"]["device"] == "cuda"
