@@ -369,7 +369,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=500, help="training steps per mode")
     ap.add_argument("--batch-size", type=int, default=16, help="the benchmark's batch (sequences of 1024 tokens)")
     ap.add_argument("--no-warm", action="store_true", help="compile in each timed part instead of beforehand")
-    ap.add_argument("--train-args", default="", help="more options for every training run, e.g. '--batch-size 32'")
+    ap.add_argument("--train-args", default="", help="more options for every training run, as --train-args='--batch-size 32'")
     args = ap.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in args.parts if p not in PARTS]

@@ -25,6 +25,12 @@ def test_gpu_check_without_cuda_says_so_in_one_line():
     assert len(lines) == 1 and lines[0].startswith("error: no CUDA GPU") and "CUDA build of PyTorch" in lines[0], out.stderr
 
 
+def test_train_args_reach_every_training_run():
+    args = G.parse_args(["--train-args=--batch-size 32", "--steps", "10"])
+    cmd = G.train_command("delta", args.steps, "runs/x", args.train_args.split())
+    assert cmd[-2:] == ["--batch-size", "32"] and cmd[cmd.index("--max-iters") + 1] == 10
+
+
 def test_gpu_check_bad_parts():
     out = subprocess.run([sys.executable, "gpu_check.py", "--parts", "tests,fly"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
@@ -46,6 +52,8 @@ def test_prerequisites_name_what_is_missing(tmp_path, tiny_data, monkeypatch):
     assert "train.bin has 100 bytes" in line and "copy data/shakespeare_char/ again" in line
     monkeypatch.setattr(G.importlib.util, "find_spec", lambda name: None if name == "typer" else object())
     assert any("the Python package typer is missing" in l for l in G.problems(tmp_path))
+    monkeypatch.setattr(G.importlib.util, "find_spec", lambda name: None)
+    assert G.problems(tmp_path) == ["PyTorch is not installed: install a CUDA build of PyTorch (README, GPUs)"]
 
 
 def test_table_and_targets_on_made_up_rows(tmp_path):
