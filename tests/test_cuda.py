@@ -296,7 +296,10 @@ DDP_SCRIPT = textwrap.dedent("""
     summary = train.train(cfg)
     assert summary["iter_num"] == 2 and math.isfinite(summary["val_loss"]), summary
 
-    # a DDP-wrapped model on NCCL: its gradients (averaged over one rank) equal the plain model's
+    # a DDP-wrapped model on NCCL: its gradients (averaged over one rank) equal the plain model's; attention
+    # on SDPA's math backend, whose backward is deterministic (flash's accumulates dq with atomics, and a
+    # last-bit difference can round to another bf16 value)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     dist.init_process_group("nccl")
     assert dist.get_backend() == "nccl" and dist.get_world_size() == 1
     idx = torch.randint(0, 61, (4, 32), device="cuda")
@@ -307,10 +310,10 @@ DDP_SCRIPT = textwrap.dedent("""
         for step in range(2):  # a second step: DDP would complain here of parameters without gradients
             for m in (ddp, plain):
                 m.zero_grad(set_to_none=True)
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast("cuda", dtype=torch.bfloat16), sdpa_kernel(SDPBackend.MATH):
                     m(idx, idx)[1].backward()
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=f"{residual} {name}")
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=f"{residual} {name}")
     dist.destroy_process_group()
     print("ddp ok")
 """)
