@@ -104,7 +104,7 @@ def problems(data_dir=ROOT / "data"):
     return lines
 
 
-def warnings():
+def cautions():
     """Things that may go wrong without stopping the check."""
     if not any(shutil.which(cc) for cc in (os.environ.get("CC") or "cc", "gcc", "clang")):
         return ["no C compiler (cc, gcc or clang) on PATH: Triton builds its kernel launchers with one, so "
@@ -143,6 +143,10 @@ def finish(p, timeout):
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 continue
         rc = None
+    try:  # what the part left running in its group (compile workers)
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     p.log.close()
     return rc
 
@@ -389,7 +393,7 @@ def main(argv=None):
         for line in lines:
             print(f"error: {line}", file=sys.stderr)
         return 1
-    for line in warnings():
+    for line in cautions():
         print(f"warning: {line}", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     args.runs.mkdir(parents=True, exist_ok=True)
