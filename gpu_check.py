@@ -28,8 +28,9 @@ their compiled graphs from the caches in seconds. The benchmark times only after
 no other process shares the GPU then. Expected: tests and warm-up about 3 minutes, the benchmark 1.5, the
 four training runs (500 steps of about 16K tokens each, a few seconds of steps and evaluation per mode once
 compiled) 2; about 6 minutes in all. Each part runs as a subprocess under its own limit (the benchmark's
-leaves 120 s for training), and each training run may use what is left but 30 s for each run after it,
-so the whole check stays within the budget even when a part is slow: a part that overruns is stopped and
+leaves 120 s for training), and each training run may use what is left but 30 s for each run after it
+(or 60 s while that much is left: when time is short, baseline and the first modes finish), so the whole
+check stays within the budget even when a part is slow: a part that overruns is stopped and
 shown as timed out, with what it finished. The elapsed time of each part is printed and written. Sized
 for an H200; on a smaller GPU give --budget more time (and --batch-size less memory).
 
@@ -59,6 +60,8 @@ DATA_FILES = ("train.bin", "val.bin", "meta.json")
 LIMITS = dict(tests=210, warm=210, bench=150)  # seconds; the training runs share what is left
 TRAIN_RESERVE = 120  # seconds kept for the training runs when the benchmark starts
 TRAIN_MIN = 30  # seconds a training run keeps for each run after it (about what one needs once compiled)
+TRAIN_FLOOR = 60  # seconds a training run may take all the same, while that much is left
+NO_TIME = "not run: too little of --budget left"
 TARGETS = dict(mfu=0.40, tok_s_x=dict(attnres=0.93, delta=0.95, delta_block=0.95), peak_x=1.15)  # issue 16
 
 # the benchmark's warm-up, one process per mode: compile its graph at batch argv[2], so that the timed run
@@ -293,7 +296,7 @@ def run_tests_and_warm(args, out, t0, deadline):
         t = time.time()
         p = start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests/test_cuda.py",
                    f"--junitxml={out / 'tests.xml'}"], out / "tests.log")
-        limit = min(LIMITS["tests"], deadline - time.time())
+        limit = max(10, min(LIMITS["tests"], deadline - time.time()))
         rc = finish(p, limit)
         parsed = junit_result(out / "tests.xml")
         result, ok = parsed if parsed and rc is not None else (f"timed out after {limit:.0f} s" if rc is None
@@ -313,6 +316,8 @@ def run_tests_and_warm(args, out, t0, deadline):
 def run_bench(args, out, t0, deadline):
     t = time.time()
     limit = min(LIMITS["bench"], deadline - time.time() - (TRAIN_RESERVE if "train" in args.parts else 5))
+    if limit < 10:
+        return [dict(part="bench", mode=None, result=NO_TIME, ok=False)]
     json_path = out / "bench.json"
     json_path.unlink(missing_ok=True)
     p = start([sys.executable, "bench.py", "--device", "cuda", "--batch-size", args.batch_size, "--json", json_path],
@@ -337,8 +342,13 @@ def run_train(args, out, t0, deadline):
     rows = []
     for i, m in enumerate(MODES):
         t = time.time()
-        # what is left, less TRAIN_MIN for each later run and 25 s for stopping an overrun and the table
-        limit = deadline - time.time() - 25 - TRAIN_MIN * (len(MODES) - 1 - i)
+        # what is left (less 25 s for stopping an overrun and the table) but TRAIN_MIN for each later run,
+        # and at least TRAIN_FLOOR while there is that much: when time is short, the first modes finish
+        left = deadline - time.time() - 25
+        limit = max(left - TRAIN_MIN * (len(MODES) - 1 - i), min(left, TRAIN_FLOOR))
+        if limit < 10:
+            rows.append(dict(part=f"train {args.steps} steps", mode=m, result=NO_TIME, ok=False))
+            continue
         run_dir = Path(args.runs) / m
         p = start(train_command(m, args.steps, run_dir, args.train_args.split()), out / f"train-{m}.log")
         rc = finish(p, limit)
