@@ -25,9 +25,10 @@ about half that, and 8 such compiles one after another would fill the budget alo
 them all at once, eight processes on the machine's cores while the tests run (the tests check results, not
 speed, and their own compiles are of 1- to 4-layer models); the benchmark and the training runs then load
 their compiled graphs from the caches in seconds. The benchmark times only after the warm-up has ended, so
-no other process shares the GPU then. Expected: tests and warm-up about 3 minutes, the benchmark 1.5, the
-four training runs (500 steps of about 16K tokens each, a few seconds of steps and evaluation per mode once
-compiled) 2; about 6 minutes in all. Each part runs as a subprocess under its own limit (the benchmark's
+no other process shares the GPU then, and each warm-up of the benchmark may hold at most 18% of the GPU's
+memory, so that the tests keep theirs. Expected (estimates: no GPU has run this yet): tests and warm-up
+about 3 minutes, the benchmark 1.5, the four training runs (500 steps of about 16K tokens each, a few
+seconds of steps and evaluation per mode once compiled) 2; about 6 minutes in all. Each part runs as a subprocess under its own limit (the benchmark's
 leaves 120 s for training), and each training run may use what is left but 30 s for each run after it
 (or 60 s while that much is left: when time is short, baseline and the first modes finish), so the whole
 check stays within the budget even when a part is slow: a part that overruns is stopped and
