@@ -10,7 +10,7 @@ RUN ?= runs/quickstart
 DATA_ARGS ?=
 TRAIN_ARGS ?=
 
-.PHONY: install test test-fast train bench clean
+.PHONY: install test test-fast train bench gpu-check clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ train: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench.py
+
+# make gpu-check: on a CUDA machine, with its own python3 and PyTorch (no venv): the CUDA tests, the CUDA
+# benchmark and 500 steps of every mode, in at most 8 minutes; needs data/shakespeare_char prepared (README, GPUs)
+GPU_PYTHON ?= python3
+GPU_ARGS ?=
+gpu-check:
+	$(GPU_PYTHON) gpu_check.py $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

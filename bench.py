@@ -5,6 +5,7 @@ backward (activation memory), and parameter count, each with its ratio to baseli
     python bench.py                          # both configs below, all modes
     python bench.py --config cpu --iters 20  # one config
     python cli.py bench ...                  # the same through the CLI
+    python bench.py --device cuda            # GPU: d768, context 1024, bf16, eager and compiled
 
 Saved bytes are counted with torch.autograd.graph.saved_tensors_hooks over one forward+backward,
 each storage once (views of one tensor count once) and parameters left out. Timing interleaves the
@@ -13,8 +14,17 @@ fastest round: on a shared machine interference only ever adds time, so the best
 repeatable figure (as timeit does), and interleaving makes every mode see the same machine. As
 training on the CPU does, malloc keeps freed memory for reuse (train.keep_freed_memory; --malloc
 default leaves the C library's own behaviour, which page-faults fresh memory in on every step).
+
+On CUDA (--device cuda) each mode runs at GPT-2 small's shape with context 1024 under bf16 autocast,
+eager and then torch.compile'd: tokens/s (best of --rounds rounds of --iters steps, timed between
+torch.cuda.synchronize calls), MFU (GPT.estimate_mfu) and peak memory (torch.cuda.max_memory_allocated,
+reset per mode and variant: parameters, gradients and activations of that model alone). The modes run
+one after another, each model freed before the next; a mode that runs out of memory is reported so.
 """
 import argparse
+import gc
+import json
+import sys
 import time
 from dataclasses import replace
 
@@ -28,6 +38,11 @@ CONFIGS = {
     "cpu": (GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0), 12),
     "d768": (GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=128, dropout=0.0), 4),
 }
+# name -> (model config, default batch size), bf16 autocast on CUDA: GPT-2 small at context 1024
+CUDA_CONFIGS = {
+    "d768": (GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.0), 16),
+}
+VARIANTS = ("eager", "compiled")
 
 
 def make(config, residual, **route):
@@ -108,29 +123,181 @@ def table(rows, memory_layers=()):
     return "\n".join(lines)
 
 
-def main(argv=None):
+def cuda_step(model, idx):
+    """One forward+backward under bf16 autocast (model: a GPT or its torch.compile wrapper)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def measure_cuda(model, idx, warmup, iters, rounds):
+    """(best seconds per step over `rounds` rounds of `iters` steps, peak bytes allocated in them),
+    after `warmup` steps (which compile a compiled model)."""
+    for _ in range(warmup):
+        cuda_step(model, idx)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            cuda_step(model, idx)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / iters)
+    return min(times), torch.cuda.max_memory_allocated()
+
+
+def bench_cuda(config, batch, modes=RESIDUALS, variants=VARIANTS, iters=10, rounds=3, warmup=3, seed=0,
+               on_rows=None, **route):
+    """Rows of {mode, params, eager_tok_s, eager_mfu, eager_peak, compiled_...} on CUDA, with ratios to
+    the first mode (baseline). One mode at a time, its model freed before the next; on_rows(rows) is
+    called after each mode (to save partial results)."""
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True  # as train.py (bf16 autocast leaves few fp32 matmuls)
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(seed)
+    idx = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device)
+    rows = []
+    for m in modes:
+        torch.manual_seed(seed)
+        model = make(config, m, **route).to(device)
+        row = dict(mode=m, params=model.get_num_params())
+        for v in variants:
+            torch._dynamo.reset()  # each mode compiles afresh, never against another model's guards
+            run = torch.compile(model) if v == "compiled" else model
+            try:
+                dt, peak = measure_cuda(run, idx, warmup, iters, rounds)
+                row.update({f"{v}_tok_s": batch * config.block_size / dt, f"{v}_peak": peak,
+                            f"{v}_mfu": model.estimate_mfu(batch, dt, device)})
+            except torch.cuda.OutOfMemoryError:
+                row.update({f"{v}_tok_s": None, f"{v}_peak": None, f"{v}_mfu": None, f"{v}_error": "out of memory"})
+            del run
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append(row)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        add_ratios(rows, ["params"] + [f"{v}_{k}" for v in variants for k in ("tok_s", "peak")])
+        if on_rows is not None:
+            on_rows(rows)
+    torch._dynamo.reset()
+    return rows
+
+
+def add_ratios(rows, keys):
+    """r[key + '_x'] = r[key] / rows[0][key] (None where either is missing)."""
+    base = rows[0]
+    for r in rows:
+        for key in keys:
+            ok = r.get(key) is not None and base.get(key)
+            r[key + "_x"] = r[key] / base[key] if ok else None
+
+
+def cuda_table(rows, variants=VARIANTS):
+    """The CUDA rows as a Markdown table: each variant's tokens/s, MFU and peak memory, with ratios."""
+    head = ["mode", "params", "x"]
+    for v in variants:
+        head += [f"{v} tokens/s", "x", "MFU", "peak GiB", "x"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["mode"], f"{r['params']:,}", fmt(r.get("params_x"), ".4f")]
+        for v in variants:
+            missing = r.get(f"{v}_error", "-")
+            peak = r.get(f"{v}_peak")
+            cells += [fmt(r.get(f"{v}_tok_s"), ",.0f", missing), fmt(r.get(f"{v}_tok_s_x"), ".3f"),
+                      fmt(r.get(f"{v}_mfu"), ".1%"), fmt(peak / 2**30 if peak is not None else None, ".2f"),
+                      fmt(r.get(f"{v}_peak_x"), ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def fmt(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def check_args(args):
+    """One clear sentence for options that do not fit the device, else None."""
+    if args.device == "cpu":
+        if args.batch_size is not None or args.variants is not None or args.json is not None:
+            return "--batch-size, --variants and --json apply to --device cuda only; the CPU configs fix their batch"
+        return None
+    if not torch.cuda.is_available():
+        return (f"--device cuda needs a CUDA GPU, and this PyTorch ({torch.__version__}) sees none; "
+                f"run the CPU benchmark without --device, or install a CUDA build of PyTorch (README, GPUs)")
+    if args.config not in (*CUDA_CONFIGS, "all"):
+        return f"--config {args.config} is a CPU config; on CUDA choose {', '.join(CUDA_CONFIGS)} or all"
+    bad = [v for v in (args.variants or "").split(",") if v and v not in VARIANTS]
+    if bad or args.variants == "":
+        return f"unknown --variants {args.variants!r}; choose eager, compiled or eager,compiled"
+    if args.batch_size is not None and args.batch_size < 1:
+        return f"--batch-size must be at least 1, got {args.batch_size}"
+    return None
+
+
+def main_cuda(args, modes):
+    variants = tuple(v for v in VARIANTS if v in (args.variants or ",".join(VARIANTS)).split(","))
+    iters, rounds = args.iters or 10, args.rounds or 3
+    name = torch.cuda.get_device_name()
+    for cname in CUDA_CONFIGS if args.config == "all" else [args.config]:
+        config, batch = CUDA_CONFIGS[cname]
+        batch = args.batch_size or batch
+        print(f"\n{cname}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, batch {batch}, "
+              f"bf16 autocast, {' and '.join(variants)}, {name}, torch {torch.__version__}, "
+              f"best of {rounds} rounds of {iters} steps", flush=True)
+        info = dict(config=cname, n_layer=config.n_layer, n_embd=config.n_embd, block_size=config.block_size,
+                    batch=batch, device=name, torch=torch.__version__, iters=iters, rounds=rounds)
+
+        def save(rows):
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(dict(info, rows=rows), f, indent=1)
+            print(f"  {rows[-1]['mode']} done", flush=True)
+
+        rows = bench_cuda(config, batch, modes, variants, iters=iters, rounds=rounds, on_rows=save)
+        print(cuda_table(rows, variants))
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
     ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes; baseline first")
-    ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth)")
-    ap.add_argument("--rounds", type=int, default=15, help="timing rounds, interleaved over the modes (the fastest is taken)")
+    ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth; 10 on CUDA)")
+    ap.add_argument("--rounds", type=int, default=None, help="timing rounds, interleaved over the modes on the CPU (the fastest is taken; default 15, 3 on CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--malloc", choices=["keep", "default"], default="keep",
                     help="keep: malloc keeps freed memory for reuse, as CPU training does; default: the C library's behaviour")
-    args = ap.parse_args(argv)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: GPT-2 small at context 1024, bf16")
+    ap.add_argument("--batch-size", type=int, default=None, help=f"CUDA: sequences per step (default {CUDA_CONFIGS['d768'][1]})")
+    ap.add_argument("--variants", default=None, help="CUDA: eager, compiled or eager,compiled (the default)")
+    ap.add_argument("--json", default=None, help="CUDA: also write the rows to this JSON file (after each mode)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        sys.exit(f"error: {problem}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    malloc = "keeps freed memory" if args.malloc == "keep" and keep_freed_memory() else "default"
     modes = tuple(args.residual.split(","))
     if modes[0] != "baseline":
         modes = ("baseline",) + tuple(m for m in modes if m != "baseline")
+    if args.device == "cuda":
+        return main_cuda(args, modes)
+    rounds = args.rounds or 15
+    malloc = "keeps freed memory" if args.malloc == "keep" and keep_freed_memory() else "default"
     for name in CONFIGS if args.config == "all" else [args.config]:
         config, batch = CONFIGS[name]
         memory_layers = (2 * config.n_layer,) if name == "d768" else ()
         print(f"\n{name}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, "
-              f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, malloc {malloc}, best of {args.rounds} rounds")
-        rows = bench(config, batch, modes, iters=args.iters, rounds=args.rounds, memory_layers=memory_layers)
+              f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, malloc {malloc}, best of {rounds} rounds")
+        rows = bench(config, batch, modes, iters=args.iters, rounds=rounds, memory_layers=memory_layers)
         print(table(rows, memory_layers))
 
 

@@ -180,12 +180,16 @@ def convert(
 @friendly
 def bench(
     residual: str = typer.Option("baseline,attnres,delta,delta_block", "--residual", help="comma-separated modes"),
-    config: str = typer.Option("all", "--config", help="cpu (4 layers, 128 wide, ctx 64, batch 12), d768 (12 layers, 768, ctx 128, batch 4), or all"),
-    iters: Optional[int] = typer.Option(None, "--iters", help="steps per timing round [default: about a second's worth]"),
-    rounds: int = typer.Option(15, "--rounds", help="timing rounds, interleaved over the modes; the fastest is taken"),
+    config: str = typer.Option("all", "--config", help="cpu (4 layers, 128 wide, ctx 64, batch 12), d768 (12 layers, 768, ctx 128, batch 4), or all; on CUDA: d768 (ctx 1024)"),
+    iters: Optional[int] = typer.Option(None, "--iters", help="steps per timing round [default: about a second's worth; 10 on CUDA]"),
+    rounds: Optional[int] = typer.Option(None, "--rounds", help="timing rounds (interleaved over the modes on the CPU); the fastest is taken [default: 15; 3 on CUDA]"),
     malloc: str = typer.Option("keep", "--malloc", help="keep: malloc keeps freed memory for reuse, as CPU training does; default: the C library's behaviour"),
+    device: str = typer.Option("cpu", "--device", help="cpu, or cuda: GPT-2 small at context 1024 in bf16, eager and compiled, with MFU and peak memory"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="CUDA only: sequences per step [default: 16]"),
+    variants: Optional[str] = typer.Option(None, "--variants", help="CUDA only: eager, compiled or eager,compiled [default: both]"),
 ):
-    """Tokens/s (forward+backward), saved-activation bytes and parameters per mode, with ratios to baseline."""
+    """Tokens/s (forward+backward), saved-activation bytes and parameters per mode, with ratios to baseline;
+    with --device cuda: tokens/s, MFU and peak memory, eager and compiled."""
     import bench as B
     from delta_gpt import RESIDUALS
     modes = [m for m in residual.split(",") if m]
@@ -194,12 +198,20 @@ def bench(
         fail(f"unknown mode {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
     if config not in (*B.CONFIGS, "all"):
         fail(f"unknown --config {config!r}; choose one of {', '.join(B.CONFIGS)} or all")
-    if (iters is not None and iters < 1) or rounds < 1:
+    if (iters is not None and iters < 1) or (rounds is not None and rounds < 1):
         fail("--iters and --rounds must be at least 1")
     if malloc not in ("keep", "default"):
         fail(f"unknown --malloc {malloc!r}; choose keep or default")
-    B.main(["--config", config, "--residual", ",".join(modes), "--rounds", str(rounds), "--malloc", malloc]
-           + (["--iters", str(iters)] if iters is not None else []))
+    if device not in ("cpu", "cuda"):
+        fail(f"unknown --device {device!r}; choose cpu or cuda")
+    argv = ["--config", config, "--residual", ",".join(modes), "--malloc", malloc, "--device", device]
+    for flag, value in (("--iters", iters), ("--rounds", rounds), ("--batch-size", batch_size), ("--variants", variants)):
+        if value is not None:
+            argv += [flag, str(value)]
+    problem = B.check_args(B.parse_args(argv))
+    if problem:
+        fail(problem)
+    B.main(argv)
 
 
 @app.command(context_settings=PASS_THROUGH, cls=TrainHelp)
