@@ -4,14 +4,10 @@ import json
 import math
 
 import pytest
-from typer.testing import CliRunner
-
-import cli
 import report as R
 import study as S
 import train as T
-
-runner = CliRunner()
+from test_cli import ok, refused, run
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, max_iters=4, warmup_iters=2,
             eval_interval=2, eval_iters=2, log_interval=1, ckpt_interval=2, progress=False, dataset="tiny")
 
@@ -31,25 +27,6 @@ def study_file(path, tiny_data=None, seeds=(1, 2), train=None, sweep=None, varia
         lines += [f"[variants.{name}]"] + [f"{k} = {toml(v)}" for k, v in options.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def run(*args):
-    result = runner.invoke(cli.app, [str(a) for a in args])
-    assert "Traceback" not in result.output
-    return result
-
-
-def ok(*args):
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result.stdout
-
-
-def refused(message, *args):
-    result = run(*args)
-    assert result.exit_code == 1, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
 
 
 # ---------------------------------------------------------------- the loader and its bad input
