@@ -356,7 +356,7 @@ def test_lr_schedule():
     assert 0.1 < T.get_lr(55, cfg) < 1.0
 
 
-# ---------------------------------------------------------------- review follow-ups
+# ---------------------------------------------------------------- resume, init-from and overwrite carry over what they should
 
 def test_resume_after_interrupt_is_bit_exact(tiny_data, tmp_path, monkeypatch):
     """A run stopped by a signal mid-run (step 3 of 8), then resumed, equals the uninterrupted run."""
