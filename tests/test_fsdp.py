@@ -102,3 +102,11 @@ def test_fsdp_in_one_process_equals_the_plain_run(tiny_data, tmp_path):
 def test_fsdp_refuses_float16(tiny_data, tmp_path):
     with pytest.raises(T.ConfigError, match="--fsdp .* use --dtype bfloat16"):
         cfg_for(tiny_data, tmp_path / "run", fsdp=True, dtype="float16")
+
+
+def test_fsdp_without_fsdp2_in_torch_says_what_to_do(tiny_data, tmp_path, monkeypatch):
+    """On a PyTorch without FSDP2 (older than 2.6, which also cannot compile it), --fsdp is one line."""
+    import torch.distributed.fsdp
+    monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")
+    with pytest.raises(T.ConfigError, match="--fsdp needs PyTorch's FSDP2 .* upgrade torch or train with DDP"):
+        cfg_for(tiny_data, tmp_path / "run", fsdp=True, compile=True)
