@@ -466,11 +466,12 @@ def eval_batch(ds, split, k, batch_size, block_size, device):
 
 @torch.no_grad()
 def estimate_loss(model, ds, split, eval_iters, batch_size, ctx=contextlib.nullcontext(), progress=False):
-    """Mean loss of `model` (in eval mode) over the fixed evaluation batches of a split."""
+    """Mean loss of `model` (in eval mode) over the fixed evaluation batches of a split; with progress, a
+    bar on a terminal (none in a log file)."""
     device, training = next(model.parameters()).device, model.training
     model.eval()
     losses = []
-    for k in tqdm(range(eval_iters), desc=f"{split} loss", disable=not progress, leave=False):
+    for k in tqdm(range(eval_iters), desc=f"{split} loss", disable=None if progress else True, leave=False):
         X, Y = eval_batch(ds, split, k, batch_size, model.config.block_size, device)
         with ctx:
             losses.append(model(X, Y)[1].item())
