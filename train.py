@@ -1,10 +1,12 @@
 """
-Training script for delta-gpt: one process on CPU, CUDA or MPS, or DDP launched with torchrun.
+Training script for delta-gpt: one process on CPU, CUDA or MPS, or several launched with torchrun,
+with DDP (each holds the whole model) or FSDP2 (--fsdp: parameters, gradients and optimizer state sharded).
 
     python train.py --residual delta                          # the `cpu` preset where there is no CUDA
     python train.py --preset shakespeare_char --residual attnres --max-iters 2000
     python train.py --out-dir runs/cpu-delta --resume --max-iters 4000   # continue, bit-exact on CPU
     torchrun --standalone --nproc_per_node=8 train.py --preset gpt2_124m --residual delta
+    torchrun --standalone --nproc_per_node=8 train.py --preset paper_1b --residual delta --fsdp
     torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29500 train.py --preset paper_220m --residual delta   # node 0 of 2
 
@@ -117,11 +119,6 @@ class TrainConfig:
     activation_checkpointing: bool = option(False, "recompute each attention and MLP in backward (less activation memory)")
     wandb_project: Optional[str] = option(None, "also log the metrics to this Weights & Biases project (needs the wandb package)")
     wandb_run_name: Optional[str] = option(None, "the W&B run's name (default: the run directory's name)")
-
-
-def help_of(name):
-    """The help text of a TrainConfig field."""
-    return next(f.metadata["help"] for f in fields(TrainConfig) if f.name == name)
 
 
 MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name != "vocab_size")  # the TrainConfig fields that build GPTConfig
@@ -767,7 +764,7 @@ def wrap_model(cfg, model, world_size, device):
 
 
 # ------------------------------------------------------------------------------------------------
-# the run: FSDP2 sharding, and checkpoints gathered into today's one-file format
+# the run: FSDP2 sharding, and checkpoints gathered into the one-file format
 
 def check_fsdp(cfg):
     import torch.distributed.fsdp
