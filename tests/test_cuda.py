@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
