@@ -570,3 +570,12 @@ def test_threads_option_is_a_process_setting_of_the_entry_point(monkeypatch):
         torch.set_num_threads(before)
     with pytest.raises(T.ConfigError, match="--threads must be at least 1"):
         T.make_config("cpu", threads=0)
+
+
+def test_fast_routing_is_a_training_option_not_architecture(tiny_data, tmp_path):
+    """A run trained on the plain path resumes on the fast one (and the losses agree to float rounding)."""
+    T.train(cfg_for(tiny_data, tmp_path / "plain", residual="delta", fast_routing=False, max_iters=4))
+    assert T.load_checkpoint(tmp_path / "plain" / "last.pt")["model_config"]["fast_routing"] is False
+    T.train(T.resume_config(out_dir=str(tmp_path / "plain"), max_iters=8, fast_routing=True))
+    T.train(cfg_for(tiny_data, tmp_path / "fast", residual="delta"))
+    torch.testing.assert_close(train_losses(tmp_path / "plain"), train_losses(tmp_path / "fast"), rtol=1e-5, atol=1e-5)
