@@ -539,6 +539,7 @@ def process_group(cfg):
             open_dataset(cfg)  # prepares the default dataset once, before the other ranks read it
         torch.distributed.barrier()
         yield rank, world_size, device
+        torch.distributed.barrier()  # every rank done (rank 0 may still be writing) before the group goes away
     finally:
         destroy_process_group()
 
