@@ -220,8 +220,19 @@ def fmt(value, spec, missing="-"):
 
 
 def check_args(args):
-    """One clear sentence for options that do not fit the device, else None."""
+    """One clear sentence for a bad option or options that do not fit the device, else None."""
+    bad = [m for m in args.residual.split(",") if m and m not in RESIDUALS]
+    if bad or not args.residual.strip(","):
+        return f"unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(RESIDUALS)}"
+    if (args.iters is not None and args.iters < 1) or (args.rounds is not None and args.rounds < 1):
+        return "--iters and --rounds must be at least 1"
+    if args.malloc not in ("keep", "default"):
+        return f"unknown --malloc {args.malloc!r}; choose keep or default"
+    if args.device not in ("cpu", "cuda"):
+        return f"unknown --device {args.device!r}; choose cpu or cuda"
     if args.device == "cpu":
+        if args.config not in (*CONFIGS, "all"):
+            return f"unknown --config {args.config!r}; choose one of {', '.join(CONFIGS)} or all"
         if args.batch_size is not None or args.variants is not None or args.json is not None:
             return "--batch-size, --variants and --json apply to --device cuda only; the CPU configs fix their batch"
         return None
@@ -264,14 +275,14 @@ def main_cuda(args, modes):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
+    ap.add_argument("--config", default="all", help=f"{', '.join(CONFIGS)} or all")
     ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes; baseline first")
     ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth; 10 on CUDA)")
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds, interleaved over the modes on the CPU (the fastest is taken; default 15, 3 on CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--malloc", choices=["keep", "default"], default="keep",
+    ap.add_argument("--malloc", default="keep",
                     help="keep: malloc keeps freed memory for reuse, as CPU training does; default: the C library's behaviour")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: GPT-2 small at context 1024, bf16")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: GPT-2 small at context 1024, bf16")
     ap.add_argument("--batch-size", type=int, default=None, help=f"CUDA: sequences per step (default {CUDA_CONFIGS['d768'][1]})")
     ap.add_argument("--variants", default=None, help="CUDA: eager, compiled or eager,compiled (the default)")
     ap.add_argument("--json", default=None, help="CUDA: also write the rows to this JSON file (after each mode)")

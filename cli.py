@@ -191,20 +191,7 @@ def bench(
     """Tokens/s (forward+backward), saved-activation bytes and parameters per mode, with ratios to baseline;
     with --device cuda: tokens/s, MFU and peak memory, eager and compiled."""
     import bench as B
-    from delta_gpt import RESIDUALS
-    modes = [m for m in residual.split(",") if m]
-    bad = [m for m in modes if m not in RESIDUALS]
-    if bad:
-        fail(f"unknown mode {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
-    if config not in (*B.CONFIGS, "all"):
-        fail(f"unknown --config {config!r}; choose one of {', '.join(B.CONFIGS)} or all")
-    if (iters is not None and iters < 1) or (rounds is not None and rounds < 1):
-        fail("--iters and --rounds must be at least 1")
-    if malloc not in ("keep", "default"):
-        fail(f"unknown --malloc {malloc!r}; choose keep or default")
-    if device not in ("cpu", "cuda"):
-        fail(f"unknown --device {device!r}; choose cpu or cuda")
-    argv = ["--config", config, "--residual", ",".join(modes), "--malloc", malloc, "--device", device]
+    argv = ["--config", config, "--residual", residual, "--malloc", malloc, "--device", device]
     for flag, value in (("--iters", iters), ("--rounds", rounds), ("--batch-size", batch_size), ("--variants", variants)):
         if value is not None:
             argv += [flag, str(value)]
@@ -255,7 +242,7 @@ def compare(
         plan = S.study_from_modes(modes, seed_list, preset, overrides)
     out = out or Path("runs") / (plan.name if study is not None else "compare")
     T.apply_process_settings(T.make_config(plan.preset, **{k: v for k, v in plan.train.items()
-                                                           if k in ("device", "threads", "keep_freed_memory")}))
+                                                           if k in T.PROCESS_FIELDS}))
     table = C.run_study(plan, out, overwrite, typer.echo, dry_run)
     if table is not None:
         typer.echo(table)

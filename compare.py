@@ -60,10 +60,8 @@ def run_state(cfg, overwrite=False):
     return ("finished" if step >= cfg.max_iters else "resume"), step
 
 
-def train_or_reuse(cfg, overwrite=False, echo=print):
-    """Train the run cfg asks for, resume it, or reuse it when it is finished; with overwrite, train it afresh.
-    Refuses a run directory whose recorded settings differ from cfg's."""
-    state, _ = run_state(cfg, overwrite)
+def train_or_reuse(cfg, state, echo=print):
+    """Train the run cfg asks for afresh, resume it, or reuse it when finished, as its run_state says."""
     if state == "finished":
         echo(f"{cfg.residual} seed {cfg.seed}: reusing the finished run in {cfg.out_dir}")
         return None
@@ -87,12 +85,6 @@ def run_summary(out_dir, seed):
                 curve=[(r["step"], r["val_loss"], r.get("elapsed")) for r in evals])
 
 
-def compare(modes, seeds, preset=None, overrides=None, out="runs/compare", overwrite=False, echo=print):
-    """compare --residual: the study of one variant per mode (see study.study_from_modes), run by run_study.
-    Options in `overrides` apply to every run; routing options to the routed modes only."""
-    return run_study(S.study_from_modes(modes, seeds, preset, overrides), out, overwrite, echo)
-
-
 def run_study(study, out, overwrite=False, echo=print, dry_run=False):
     """Train (or reuse, or resume) every run of the study, then write OUT/compare.json (every run's numbers),
     compare.md (the table) and the pictures. Every setting, every existing run and the folder are checked
@@ -106,8 +98,8 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False):
     if dry_run:
         return None
     S.claim_folder(study, out, overwrite)
-    for r in unique:
-        train_or_reuse(r.cfg, overwrite, echo)
+    for r, (state, _) in zip(unique, states):
+        train_or_reuse(r.cfg, state, echo)
     summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed))
                  for r in runs]
     option = study.sweep[0] if study.sweep else None

@@ -1264,6 +1264,9 @@ def busy_cores(seconds=0.25):
     return round((1 - (i1 - i0) / max(1, t1 - t0)) * (os.cpu_count() or 1))
 
 
+PROCESS_FIELDS = ("device", "threads", "keep_freed_memory")  # what apply_process_settings reads
+
+
 def apply_process_settings(cfg):
     """What only an entry point may set, since it holds for the whole process: torch's thread count (with
     --threads, or the free cores: on a busy machine two jobs with all threads each run many times slower)
