@@ -4,13 +4,14 @@ Routing reports and mode comparisons for the CLI: statistics, terminal tables, J
     stats = routing_stats(model, idx)                        # per routed sublayer: sharpness, entropy, ...
     routing_table([("delta", stats), ("attnres", stats2)])   # the table, its averages and a legend
     draw_routing([...], "report.png")                        # mean-weight heatmaps + max weight per sublayer
-    compare_rows(runs) / compare_table(rows) / draw_curves(curves, "curves.png", title)
+    study_rows(summaries, reference) / study_table(rows, reference) / draw_study(...)   # compare and studies
 
 matplotlib is imported inside the draw functions, so importing this module (train.py does) stays light.
 """
 import json
 import math
 import statistics
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -197,15 +198,6 @@ def compare_rows(runs, reference="baseline"):
     return rows
 
 
-def compare_table(rows):
-    head = ["mode", "seeds", "val loss", "perplexity", "vs baseline", "max weight", "tokens/s", "params"]
-    body = [[r["mode"], r["seeds"], f"{fmt(r['val_loss'], '.4f')} ± {fmt(r['val_loss_std'], '.4f')}",
-             f"{fmt(r['ppl'], '.3f')} ± {fmt(r['ppl_std'], '.3f')}",
-             "-" if r["ppl_change_pct"] is None else f"{r['ppl_change_pct']:+.2f}%",
-             fmt(r["max_weight"]), fmt(r["tokens_per_s"], ",.0f"), f"{r['params']:,}"] for r in rows]
-    return markdown(head, body)
-
-
 def draw_curves(curves, path, title=None):
     """curves: {mode: [[(step, val_loss), ...] per seed]} -> validation loss against step, the mean over
     seeds bold and each seed thin; the right panel zooms on the second half of training. title: the
@@ -248,7 +240,6 @@ def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, 
     Every checkpoint is checked before anything is computed, and existing reports are kept unless force."""
     import sample as S
     import train as T
-    from pathlib import Path
     if len(paths) > 2:
         raise T.ConfigError("report compares at most two checkpoints")
     if batches < 1 or batch_size < 1:
@@ -371,7 +362,6 @@ def draw_study(rows, summaries, reference, option, out, title=None):
     """The study's pictures in folder out; returns their paths. With a sweep: loss.png (val loss ± std, and
     the paired difference to the reference ± standard error, against the swept option) and sharpness.png
     (max weight and entropy against it, routed variants); always the curves, one picture per sweep value."""
-    from pathlib import Path
     out, written = Path(out), []
     for value in dict.fromkeys(s["sweep"] for s in summaries):
         curves = {}
