@@ -106,7 +106,8 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False):
     rows = R.study_rows(summaries, study.reference, option)
     table = R.study_table(rows, study.reference, option)
     R.save_json(dict(name=study.name, study=study.definition(), rows=rows, runs=summaries), out / "compare.json")
-    best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)])
+    best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)],
+                        tuning=option not in T.ARCH_FIELDS)
     (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in (best, R.study_notes(study.reference)) if t)
                                     + "\n")
     cfg = runs[0].cfg

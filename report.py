@@ -418,15 +418,16 @@ def draw_sweep(rows, option, panels, path, deep=False):
     return path
 
 
-def study_best(rows, option, unswept=()):
+def study_best(rows, option, unswept=(), tuning=True):
     """For a numeric sweep of three values or more, one line: each swept variant's value with the lowest mean
-    val loss, flagged when it lies at either end of the sweep (then widen the sweep); else ''."""
+    val loss; in a sweep that tunes a training setting (tuning, not the model's shape such as n_layer),
+    flagged when it lies at either end of the sweep (then widen the sweep); else ''."""
     values = sorted(dict.fromkeys(r["sweep"] for r in rows)) if option else []
     if len(values) < 3 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         return ""
     parts = []
     for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] not in unswept):
         best = min((r for r in rows if r["variant"] == variant), key=lambda r: r["val_loss"])
-        edge = best["sweep"] in (values[0], values[-1])
+        edge = tuning and best["sweep"] in (values[0], values[-1])
         parts.append(f"{variant} {best['sweep']}" + (" (at the sweep's edge: widen it)" if edge else ""))
     return f"lowest mean val loss by {option}: " + ", ".join(parts)

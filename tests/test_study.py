@@ -131,7 +131,7 @@ def test_sweep_crossed_with_variants(tmp_path):
 def test_shipped_studies_cross_into_valid_runs(tmp_path):
     from conftest import ROOT
     paths = sorted((ROOT / "studies").glob("*.toml"))
-    assert {p.stem for p in paths} >= {"depth", "grid", "blocks", "depth-lr-4", "depth-lr-32", "route-lr"}
+    assert {p.stem for p in paths} >= {"depth", "grid", "blocks", "depth-lr-4", "depth-lr-16", "route-lr"}
     for path in paths:
         study = S.load_study(path)
         runs = S.cross(study, tmp_path / path.stem)  # every run's settings checked, nothing trained
@@ -181,6 +181,7 @@ def test_paired_statistics_by_hand():
                                                     "sweep's edge: widen it), b 0.003")
     assert R.study_best(sweep, "learning_rate", unswept=["a"]) == "lowest mean val loss by learning_rate: b 0.003"
     assert R.study_best(sweep[:2] + sweep[3:5], "learning_rate") == ""  # two values: no inside
+    assert R.study_best(sweep, "n_layer", tuning=False) == "lowest mean val loss by n_layer: a 0.01, b 0.003"
 
 
 # ---------------------------------------------------------------- tiny studies end to end
