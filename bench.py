@@ -31,6 +31,7 @@ from dataclasses import replace
 import torch
 
 from delta_gpt import GPT, GPTConfig, RESIDUALS
+from errors import DeltaGPTError
 from train import keep_freed_memory
 
 # name -> (model config, batch size), fp32 eager on the CPU: the cpu preset's model (character vocabulary) and GPT-2 small
@@ -155,8 +156,6 @@ def bench_cuda(config, batch, modes=RESIDUALS, variants=VARIANTS, iters=10, roun
     the first mode (baseline). One mode at a time, its model freed before the next; on_rows(rows) is
     called after each mode (to save partial results)."""
     device = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = True  # as train.py (bf16 autocast leaves few fp32 matmuls)
-    torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(seed)
     idx = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device)
     rows = []
@@ -219,34 +218,38 @@ def fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
 
+class BenchError(DeltaGPTError):
+    """A benchmark option that is wrong, or does not fit the device."""
+
+
 def check_args(args):
-    """One clear sentence for a bad option or options that do not fit the device, else None."""
+    """Raise BenchError, one clear sentence, for a bad option or options that do not fit the device."""
     bad = [m for m in args.residual.split(",") if m and m not in RESIDUALS]
     if bad or not args.residual.strip(","):
-        return f"unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(RESIDUALS)}"
+        raise BenchError(f"unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(RESIDUALS)}")
     if (args.iters is not None and args.iters < 1) or (args.rounds is not None and args.rounds < 1):
-        return "--iters and --rounds must be at least 1"
+        raise BenchError("--iters and --rounds must be at least 1")
     if args.malloc not in ("keep", "default"):
-        return f"unknown --malloc {args.malloc!r}; choose keep or default"
+        raise BenchError(f"unknown --malloc {args.malloc!r}; choose keep or default")
     if args.device not in ("cpu", "cuda"):
-        return f"unknown --device {args.device!r}; choose cpu or cuda"
+        raise BenchError(f"unknown --device {args.device!r}; choose cpu or cuda")
     if args.device == "cpu":
         if args.config not in (*CONFIGS, "all"):
-            return f"unknown --config {args.config!r}; choose one of {', '.join(CONFIGS)} or all"
+            raise BenchError(f"unknown --config {args.config!r}; choose one of {', '.join(CONFIGS)} or all")
         if args.batch_size is not None or args.variants is not None or args.json is not None:
-            return "--batch-size, --variants and --json apply to --device cuda only; the CPU configs fix their batch"
-        return None
+            raise BenchError("--batch-size, --variants and --json apply to --device cuda only; the CPU configs "
+                             "fix their batch")
+        return
     if not torch.cuda.is_available():
-        return (f"--device cuda needs a CUDA GPU, and this PyTorch ({torch.__version__}) sees none; "
-                f"run the CPU benchmark without --device, or install a CUDA build of PyTorch (README, GPUs)")
+        raise BenchError(f"--device cuda needs a CUDA GPU, and this PyTorch ({torch.__version__}) sees none; "
+                         f"run the CPU benchmark without --device, or install a CUDA build of PyTorch (README, GPUs)")
     if args.config not in (*CUDA_CONFIGS, "all"):
-        return f"--config {args.config} is a CPU config; on CUDA choose {', '.join(CUDA_CONFIGS)} or all"
+        raise BenchError(f"--config {args.config} is a CPU config; on CUDA choose {', '.join(CUDA_CONFIGS)} or all")
     bad = [v for v in (args.variants or "").split(",") if v and v not in VARIANTS]
     if bad or args.variants == "":
-        return f"unknown --variants {args.variants!r}; choose eager, compiled or eager,compiled"
+        raise BenchError(f"unknown --variants {args.variants!r}; choose eager, compiled or eager,compiled")
     if args.batch_size is not None and args.batch_size < 1:
-        return f"--batch-size must be at least 1, got {args.batch_size}"
-    return None
+        raise BenchError(f"--batch-size must be at least 1, got {args.batch_size}")
 
 
 def main_cuda(args, modes):
@@ -272,34 +275,46 @@ def main_cuda(args, modes):
         print(cuda_table(rows, variants))
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].strip(),
+def parser(prog=None):
+    """bench's options (python bench.py and python cli.py bench both parse with it)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="all", help=f"{', '.join(CONFIGS)} or all")
+    ap.add_argument("--config", default="all", help=f"{', '.join(CONFIGS)} or all (CPU); on CUDA: {', '.join(CUDA_CONFIGS)} "
+                    f"(context 1024) or all")
     ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes; baseline first")
     ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth; 10 on CUDA)")
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds, interleaved over the modes on the CPU (the fastest is taken; default 15, 3 on CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--malloc", default="keep",
                     help="keep: malloc keeps freed memory for reuse, as CPU training does; default: the C library's behaviour")
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda: GPT-2 small at context 1024, bf16")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: GPT-2 small at context 1024 in bf16, eager and "
+                    "compiled, with MFU and peak memory")
     ap.add_argument("--batch-size", type=int, default=None, help=f"CUDA: sequences per step (default {CUDA_CONFIGS['d768'][1]})")
     ap.add_argument("--variants", default=None, help="CUDA: eager, compiled or eager,compiled (the default)")
     ap.add_argument("--json", default=None, help="CUDA: also write the rows to this JSON file (after each mode)")
-    return ap.parse_args(argv)
+    return ap
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    problem = check_args(args)
-    if problem:
-        sys.exit(f"error: {problem}")
+def parse_args(argv=None, prog=None):
+    return parser(prog).parse_args(argv)
+
+
+def options_help():
+    """One line per option, for `python cli.py bench --help`."""
+    return "\n".join(f"  {a.option_strings[-1]:<14} {a.help}" for a in parser()._actions if a.dest != "help")
+
+
+def main(argv=None, prog=None):
+    """Parse and check the options (BenchError for a bad one), set the process up and run the benchmark."""
+    args = parse_args(argv, prog)
+    check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = tuple(args.residual.split(","))
     if modes[0] != "baseline":
         modes = ("baseline",) + tuple(m for m in modes if m != "baseline")
     if args.device == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32, as train.py (bf16 autocast leaves few fp32 matmuls)
         return main_cuda(args, modes)
     rounds = args.rounds or 15
     malloc = "keeps freed memory" if args.malloc == "keep" and keep_freed_memory() else "default"
@@ -313,4 +328,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DeltaGPTError as e:
+        sys.exit(f"error: {e}")

@@ -49,23 +49,13 @@ def friendly(fn):
     return wrapper
 
 
-def train_options_help():
-    """The help text listing every TrainConfig field as an option, with the cpu preset's value."""
-    import train
-    defaults = train.TrainConfig()
-    lines = [f"  --{train.flag(f.name):<27} {f.metadata['help']} [cpu: {getattr(defaults, f.name)}]"
-             for f in train.fields(train.TrainConfig)]
-    return ("Training options: any TrainConfig field, as --field VALUE, --field=VALUE or --flag / --no-flag.\n\n"
-            "\b\n" + "\n".join(lines) + f"\n\nPresets: {', '.join(train.PRESETS)} (default: cpu without CUDA, "
-            "shakespeare_char with it).")
-
-
 class TrainHelp(typer.core.TyperCommand):
     """A command whose --help lists every TrainConfig field, built only when help is shown (it imports
     torch, which would slow every other command's start)."""
 
     def format_epilog(self, ctx, formatter):
-        self.epilog = train_options_help()
+        import train
+        self.epilog = train.options_help()
         super().format_epilog(ctx, formatter)
 
 
@@ -176,29 +166,25 @@ def convert(
     typer.echo(f"wrote {out}")
 
 
-@app.command()
+class BenchHelp(typer.core.TyperCommand):
+    """The bench command, whose --help lists bench.py's own options (one parser for both entry points)."""
+
+    def format_epilog(self, ctx, formatter):
+        import bench as B
+        self.epilog = "Options (as python bench.py takes them):\n\n\b\n" + B.options_help()
+        super().format_epilog(ctx, formatter)
+
+
+@app.command(context_settings=PASS_THROUGH, cls=BenchHelp)
 @friendly
-def bench(
-    residual: str = typer.Option("baseline,attnres,delta,delta_block", "--residual", help="comma-separated modes"),
-    config: str = typer.Option("all", "--config", help="cpu (4 layers, 128 wide, ctx 64, batch 12), d768 (12 layers, 768, ctx 128, batch 4), or all; on CUDA: d768 (ctx 1024)"),
-    iters: Optional[int] = typer.Option(None, "--iters", help="steps per timing round [default: about a second's worth; 10 on CUDA]"),
-    rounds: Optional[int] = typer.Option(None, "--rounds", help="timing rounds (interleaved over the modes on the CPU); the fastest is taken [default: 15; 3 on CUDA]"),
-    malloc: str = typer.Option("keep", "--malloc", help="keep: malloc keeps freed memory for reuse, as CPU training does; default: the C library's behaviour"),
-    device: str = typer.Option("cpu", "--device", help="cpu, or cuda: GPT-2 small at context 1024 in bf16, eager and compiled, with MFU and peak memory"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="CUDA only: sequences per step [default: 16]"),
-    variants: Optional[str] = typer.Option(None, "--variants", help="CUDA only: eager, compiled or eager,compiled [default: both]"),
-):
+def bench(ctx: typer.Context):
     """Tokens/s (forward+backward), saved-activation bytes and parameters per mode, with ratios to baseline;
-    with --device cuda: tokens/s, MFU and peak memory, eager and compiled."""
+    with --device cuda: tokens/s, MFU and peak memory, eager and compiled.
+
+    bench [--config cpu|d768|all] [--residual a,b,c] [--device cuda] [--batch-size N] ...
+    """
     import bench as B
-    argv = ["--config", config, "--residual", residual, "--malloc", malloc, "--device", device]
-    for flag, value in (("--iters", iters), ("--rounds", rounds), ("--batch-size", batch_size), ("--variants", variants)):
-        if value is not None:
-            argv += [flag, str(value)]
-    problem = B.check_args(B.parse_args(argv))
-    if problem:
-        fail(problem)
-    B.main(argv)
+    B.main(ctx.args, prog="cli.py bench")
 
 
 @app.command(context_settings=PASS_THROUGH, cls=TrainHelp)
@@ -208,8 +194,6 @@ def compare(
     study: Optional[Path] = typer.Option(None, "--study", help="a TOML study file (see studies/): its variants, seeds, sweep and options"),
     residual: Optional[str] = typer.Option(None, "--residual", help="comma-separated modes, without --study [default: baseline,attnres,delta,delta_block]"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="comma-separated seeds, without --study [default: 1,2,3]"),
-    preset: Optional[str] = typer.Option(None, "--preset", help="training preset (default: the study's, else cpu without CUDA)"),
-    max_iters: Optional[int] = typer.Option(None, "--max-iters", help="steps per run (default: the study's or the preset's)"),
     out: Optional[Path] = typer.Option(None, "--out", help="folder for the runs, compare.json/.md and the pictures [default: runs/compare, or runs/STUDY for --study FILE]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="train every run again, even finished ones in --out"),
     dry_run: bool = typer.Option(False, "--dry-run", help="check everything and print the plan and time estimate; train nothing"),
@@ -218,31 +202,16 @@ def compare(
     reference, routing sharpness and speed.
 
     compare --residual a,b,c compares modes; compare --study FILE runs a study file (see studies/). Any
-    other train option (--n-layer 2, --eval-interval 100, ...) applies to every run, on top of the study's
+    train option (--preset P, --max-iters 500, --n-layer 2, ...) applies to every run, on top of the study's
     [train] (a variant's own options and the sweep keep theirs). Finished runs in --out are reused and
     unfinished ones resumed when their recorded settings match the ones asked for (otherwise the command
     refuses, naming them), so an interrupted compare continues where it stopped.
     """
     import compare as C
-    import study as S
     import train as T
-    if study is not None and (residual is not None or seeds is not None):
-        fail("--study sets its own variants and seeds; leave out --residual and --seeds")
-    _, overrides = T.parse_args(ctx.args)
-    if max_iters is not None:
-        overrides["max_iters"] = max_iters
-    if study is not None:
-        plan = S.load_study(study, overrides, preset)
-    else:
-        try:
-            seed_list = [int(s) for s in (seeds or "1,2,3").split(",") if s]
-        except ValueError:
-            fail(f"--seeds takes comma-separated integers, got {seeds!r}")
-        modes = [m for m in (residual or "baseline,attnres,delta,delta_block").split(",") if m]
-        plan = S.study_from_modes(modes, seed_list, preset, overrides)
-    out = out or Path("runs") / (plan.name if study is not None else "compare")
-    T.apply_process_settings(T.make_config(plan.preset, **{k: v for k, v in plan.train.items()
-                                                           if k in T.PROCESS_FIELDS}))
+    plan = C.study_of(study, residual, seeds, ctx.args)
+    T.apply_process_settings(C.process_config(plan))
+    out = out or Path("runs") / plan.name
     table = C.run_study(plan, out, overwrite, typer.echo, dry_run)
     if table is not None:
         typer.echo(table)

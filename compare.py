@@ -85,6 +85,27 @@ def run_summary(out_dir, seed):
                 curve=[(r["step"], r["val_loss"], r.get("elapsed")) for r in evals])
 
 
+def study_of(study_file=None, residual=None, seeds=None, argv=()):
+    """The Study that `compare` runs: the study file's, or one built from --residual and --seeds; train
+    options in argv (--preset P, --max-iters N, ...) go on top of its [train]."""
+    if study_file is not None and (residual is not None or seeds is not None):
+        raise S.StudyError("--study sets its own variants and seeds; leave out --residual and --seeds")
+    preset, overrides = T.parse_args(argv)
+    if study_file is not None:
+        return S.load_study(study_file, overrides, preset)
+    try:
+        seed_list = [int(s) for s in (seeds or "1,2,3").split(",") if s]
+    except ValueError:
+        raise S.StudyError(f"--seeds takes comma-separated integers, got {seeds!r}") from None
+    modes = [m for m in (residual or ",".join(T.RESIDUALS)).split(",") if m]
+    return S.study_from_modes(modes, seed_list, preset, overrides)
+
+
+def process_config(study):
+    """A TrainConfig holding the process-wide settings (threads, device, malloc) the study's runs ask for."""
+    return T.make_config(study.preset, **{k: v for k, v in study.train.items() if k in T.PROCESS_FIELDS})
+
+
 def run_study(study, out, overwrite=False, echo=print, dry_run=False):
     """Train (or reuse, or resume) every run of the study, then write OUT/compare.json (every run's numbers),
     compare.md (the table) and the pictures. Every setting, every existing run and the folder are checked

@@ -41,7 +41,14 @@ from torch.utils.checkpoint import checkpoint
 RESIDUALS = ("baseline", "attnres", "delta", "delta_block")
 ROUTE_SOURCES = ("delta", "cumulative")
 ROUTE_EPS = 1e-6  # RMSNorm eps of the router keys
-GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the Hugging Face GPT-2 weights from_pretrained loads
+ROUTING_FIELDS = ("n_route_blocks", "route_partial", "route_sources")  # GPTConfig's routing options
+GPT2_MODELS = {  # the Hugging Face GPT-2 weights from_pretrained loads, with their shapes
+    'gpt2':         dict(n_layer=12, n_head=12, n_embd=768),  # 124M params
+    'gpt2-medium':  dict(n_layer=24, n_head=16, n_embd=1024), # 350M params
+    'gpt2-large':   dict(n_layer=36, n_head=20, n_embd=1280), # 774M params
+    'gpt2-xl':      dict(n_layer=48, n_head=25, n_embd=1600), # 1558M params
+}
+
 
 class LayerNorm(nn.Module):
     """LayerNorm but with an optional bias. PyTorch doesn't support simply bias=False"""
@@ -276,7 +283,7 @@ class GPTConfig:
                              f"choose n_head among {_divisors(self.n_embd)}")
         S = 2 * self.n_layer
         if self.residual == "baseline":
-            for name in ("n_route_blocks", "route_partial", "route_sources"):
+            for name in ROUTING_FIELDS:
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is set but residual='baseline' has no routing; "
                                      f"leave {name} unset or choose attnres, delta or delta_block")
@@ -419,7 +426,7 @@ class GPT(nn.Module):
         if model_type not in GPT2_MODELS:
             raise ValueError(f"unknown GPT-2 model {model_type!r}; choose one of {', '.join(GPT2_MODELS)}")
         override_args = dict(override_args or {})
-        allowed = {"dropout", "residual", "n_route_blocks", "route_partial", "route_sources", "fast_routing"}
+        allowed = {"dropout", "residual", *ROUTING_FIELDS, "fast_routing"}
         if set(override_args) - allowed:
             raise ValueError(f"from_pretrained can override only {', '.join(sorted(allowed))}")
         try:
@@ -432,13 +439,7 @@ class GPT(nn.Module):
             raise ValueError(f"could not fetch {model_type} from the Hugging Face hub: it needs the internet "
                              f"or a local cache ({str(e).splitlines()[0]})") from None
         print(f"loading weights from pretrained gpt: {model_type}")
-        # n_layer, n_head and n_embd are determined from model_type
-        config_args = {
-            'gpt2':         dict(n_layer=12, n_head=12, n_embd=768),  # 124M params
-            'gpt2-medium':  dict(n_layer=24, n_head=16, n_embd=1024), # 350M params
-            'gpt2-large':   dict(n_layer=36, n_head=20, n_embd=1280), # 774M params
-            'gpt2-xl':      dict(n_layer=48, n_head=25, n_embd=1600), # 1558M params
-        }[model_type]
+        config_args = dict(GPT2_MODELS[model_type])  # n_layer, n_head and n_embd are determined from model_type
         config_args.update(vocab_size=50257, block_size=1024, bias=True) # always for GPT model checkpoints
         config_args.update(override_args)
         return cls.from_hf_state_dict(model_hf.state_dict(), GPTConfig(**config_args))

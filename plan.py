@@ -137,7 +137,7 @@ def monomials(B, T, L, D):
     return [math.prod(env.get(f, 1) for f in term.split("*")) for term in TERMS]
 
 
-FIT_FIELDS = ("residual", "bias", "dropout", "n_route_blocks", "route_partial", "route_sources",
+FIT_FIELDS = (*train.ROUTE_FIELDS, "bias", "dropout", "fast_routing",
               "activation_checkpointing")  # with the head size, precision and vocabulary: what a fit depends on
 _fits = {}
 

@@ -32,7 +32,7 @@ import train as T
 from errors import DeltaGPTError
 
 STUDY_KEYS = ("seeds", "reference", "preset", "train", "sweep", "variants")
-ROUTING_ONLY = tuple(f for f in T.ROUTE_FIELDS if f != "residual") + ("route_lr_mult",)  # no use to a baseline
+ROUTING_ONLY = T.ROUTING_FIELDS + ("route_lr_mult",)  # no use to a baseline
 SET_BY_COMPARE = ("seed", "out_dir", "resume", "overwrite")  # every run's own
 EVERY_SUBLAYER = "S"  # n_route_blocks = "S": N = 2 * n_layer
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 import data
 import report
-from delta_gpt import GPT, GPT2_MODELS, GPTConfig, RESIDUALS, is_routing_key
+from delta_gpt import GPT, GPT2_MODELS, GPTConfig, RESIDUALS, ROUTING_FIELDS, is_routing_key
 from errors import DeltaGPTError
 
 ROUTED_MODES = tuple(m for m in RESIDUALS if m != "baseline")
@@ -122,7 +122,7 @@ class TrainConfig:
 
 
 MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name != "vocab_size")  # the TrainConfig fields that build GPTConfig
-ROUTE_FIELDS = ("residual", "n_route_blocks", "route_partial", "route_sources")  # --init-from may change these
+ROUTE_FIELDS = ("residual", *ROUTING_FIELDS)  # --init-from may change these
 ARCH_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "fast_routing"))  # fixed once trained
 BOOKKEEPING_FIELDS = ("out_dir", "resume", "overwrite", "progress", "eval_only", "threads", "keep_freed_memory",
                       "log_interval", "ckpt_interval", "wandb_project", "wandb_run_name")  # change no number of a run
@@ -271,6 +271,15 @@ def parse_args(argv):
             value = argv.pop(0)
         overrides[key] = convert(key, kind, value)
     return overrides.pop("preset", None), overrides
+
+
+def options_help():
+    """Every TrainConfig field as an option with its help and the cpu preset's value (`--help`)."""
+    defaults = TrainConfig()
+    lines = [f"  --{flag(f.name):<27} {f.metadata['help']} [cpu: {getattr(defaults, f.name)}]" for f in fields(TrainConfig)]
+    return ("Training options: any TrainConfig field, as --field VALUE, --field=VALUE or --flag / --no-flag.\n\n"
+            "\b\n" + "\n".join(lines) + f"\n\nPresets: {', '.join(PRESETS)} (default: cpu without CUDA, "
+            "shakespeare_char with it).")
 
 
 def convert(key, kind, value):
@@ -671,8 +680,6 @@ def precision(cfg, device, master):
     if dtype != "float32" and device.type == "cpu" and master:
         print(f"warning: --dtype {dtype} on the CPU runs about 16x slower than float32; it is allowed, but "
               f"use --dtype float32 (the CPU default) unless you are testing mixed precision", file=sys.stderr)
-    torch.backends.cuda.matmul.allow_tf32 = True # allow tf32 on matmul
-    torch.backends.cudnn.allow_tf32 = True # allow tf32 on cudnn
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
     ctx = contextlib.nullcontext() if dtype == "float32" else torch.autocast(device_type=device.type, dtype=ptdtype)
     return dtype, ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
@@ -1269,9 +1276,13 @@ PROCESS_FIELDS = ("device", "threads", "keep_freed_memory")  # what apply_proces
 
 def apply_process_settings(cfg):
     """What only an entry point may set, since it holds for the whole process: torch's thread count (with
-    --threads, or the free cores: on a busy machine two jobs with all threads each run many times slower)
-    and, for CPU training, malloc keeping freed memory (--keep-freed-memory, the default)."""
-    on_cpu = pick_device(cfg).type == "cpu"
+    --threads, or the free cores: on a busy machine two jobs with all threads each run many times slower),
+    for CPU training malloc keeping freed memory (--keep-freed-memory, the default), and on CUDA TF32 for
+    the float32 matmuls that autocast leaves (as nanoGPT's train.py)."""
+    kind = pick_device(cfg).type
+    on_cpu = kind == "cpu"
+    if kind == "cuda":
+        torch.set_float32_matmul_precision("high")  # allow tf32 on matmul
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     elif on_cpu and int(os.environ.get("WORLD_SIZE", 1)) == 1:
@@ -1286,8 +1297,13 @@ def apply_process_settings(cfg):
 
 def main(argv=None):
     """Parse options, train, and turn bad input into one line and exit status 1 (130 when interrupted)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print("usage: python train.py [--preset P] [--FIELD VALUE ...]   (or python cli.py train ...)\n")
+        print(options_help().replace("\b\n", ""))
+        return
     try:
-        cfg = config_from_args(sys.argv[1:] if argv is None else argv)
+        cfg = config_from_args(argv)
         apply_process_settings(cfg)
         train(cfg)
     except KeyboardInterrupt:

@@ -129,13 +129,14 @@ def test_bench(monkeypatch):
     import bench
     from delta_gpt import GPTConfig
     monkeypatch.setitem(bench.CONFIGS, "cpu", (GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), 2))
-    out = ok("bench", "--config", "cpu", "--residual", "baseline,delta", "--iters", 1, "--rounds", 1)
+    out = ok("bench", "--config", "cpu", "--residual", "baseline,delta", "--iters", 1, "--rounds", 1, "--malloc", "default")
     assert "| baseline |" in out and "| delta |" in out and "tokens/s" in out and "saved MB" in out
     # rounds sized by time (the default), ratios against baseline
     rows = bench.bench(*bench.CONFIGS["cpu"], ("baseline", "delta"), rounds=2, round_s=0.05)
     assert rows[0]["tok_s_x"] == 1.0 and rows[1]["tok_s"] > 0 and rows[1]["saved_x"] > 1.0
 
 
+@pytest.mark.slow
 def test_compare_two_modes(tiny_data, tmp_path):
     args = ["compare", "--residual", "baseline,delta", "--seeds", "1,2", "--max-iters", 4, "--out", tmp_path / "cmp",
             "--dataset", "tiny", "--data-dir", tiny_data, "--eval-interval", 2, *TINY]
@@ -159,6 +160,13 @@ def test_help_lists_every_command_and_train_option():
     for command in ("prepare", "train", "sample", "report", "convert", "bench", "compare", "eval"):
         assert command in out
     assert "--max-iters" in ok("train", "--help") and "--route-lr-mult" in ok("train", "--help")
+    assert "--malloc" in ok("bench", "--help") and "--max-iters" in ok("compare", "--help")
+
+
+@pytest.mark.slow
+def test_train_py_help_lists_the_same_options():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--route-lr-mult" in out.stdout and "--max-iters" in out.stdout
 
 
 # ---------------------------------------------------------------- bad input
@@ -246,6 +254,7 @@ def test_convert_never_writes_over_its_input_and_asks_before_replacing(runs, tmp
     assert T.load_checkpoint(other)["model_config"]["residual"] == "delta"
 
 
+@pytest.mark.slow
 def test_compare_refuses_finished_runs_with_other_settings(tiny_data, tmp_path):
     args = ["compare", "--residual", "baseline", "--seeds", "1", "--out", tmp_path / "cmp",
             "--dataset", "tiny", "--data-dir", tiny_data, "--eval-interval", 2, *TINY]

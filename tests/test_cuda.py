@@ -26,26 +26,14 @@ VOCAB = 61
 ROUTED = [m for m in RESIDUALS if m != "baseline"]
 
 
-def tf32(on):
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
-
-
 @pytest.fixture(autouse=True)
 def exact_float32():
-    """fp32 references in true float32: train.train turns TF32 on for the process (run_train turns it off
-    again), so these tests turn it off, and restore it after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    tf32(False)
+    """fp32 references in true float32: TF32 off (only entry points turn it on; gpu_check runs these tests in
+    a process of their own), restored after."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def run_train(cfg):
-    """train.train(cfg), with TF32 off again afterwards."""
-    try:
-        return train.train(cfg)
-    finally:
-        tf32(False)
+    torch.set_float32_matmul_precision(saved)
 
 
 def tiny(residual="baseline", **kw):
@@ -159,7 +147,7 @@ class InfGradientAt:
 def test_fp16_grad_scaler_skips_an_inf_step_and_goes_on(tiny_data, tmp_path):
     cfg = tiny_run(tiny_data, tmp_path, "fp16", residual="delta", dtype="float16", max_iters=6)
     with InfGradientAt(3) as hook:
-        summary = run_train(cfg)
+        summary = train.train(cfg)
     assert summary["iter_num"] == 6 and math.isfinite(summary["val_loss"]) and math.isfinite(summary["train_loss"])
     w = hook.weights  # w[k]: the weights step k + 1 starts from
     assert len(w) == 6  # one training forward per step (no accumulation)
@@ -204,7 +192,7 @@ def activation_bytes(model, idx):
 @pytest.mark.compile
 def test_compiled_activation_memory_linear_in_depth():
     """Inductor's graph for the routed model keeps about what the eager fast path keeps: its ratio to
-    baseline stays flat from 1 to 4 layers (the stacking reference's grows, 1.33 to 2.09 on the CPU)."""
+    baseline stays flat from 1 to 4 layers (the plain path's grows, 1.33 to 2.09 on the CPU)."""
     idx = batch(B=8, T=64)
 
     def held(residual, n_layer):
@@ -260,7 +248,7 @@ def test_kv_cache_generation_equals_recompute(residual):
 
 def test_checkpoints_move_between_cuda_and_cpu(tiny_data, tmp_path):
     cfg = tiny_run(tiny_data, tmp_path, "run", residual="delta", max_iters=2)
-    run_train(cfg)
+    train.train(cfg)
     path = Path(cfg.out_dir) / "last.pt"
     on_cpu = train.load_checkpoint(path, map_location="cpu")
     assert all(v.device.type == "cpu" for v in on_cpu["model"].values())
@@ -271,7 +259,7 @@ def test_checkpoints_move_between_cuda_and_cpu(tiny_data, tmp_path):
         torch.testing.assert_close(cpu_model(idx.cpu())[0], cuda_model(idx)[0].cpu(), atol=1e-4, rtol=1e-4)
     # a CUDA run resumed on the CPU, and that CPU checkpoint resumed on CUDA
     for device, steps in (("cpu", 4), ("cuda", 6)):
-        summary = run_train(tiny_run(tiny_data, tmp_path, "run", residual="delta", device=device, max_iters=steps,
+        summary = train.train(tiny_run(tiny_data, tmp_path, "run", residual="delta", device=device, max_iters=steps,
                                      resume=True))
         assert summary["iter_num"] == steps and math.isfinite(summary["val_loss"])
     resumed = train.load_checkpoint(path, map_location="cpu")

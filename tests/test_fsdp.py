@@ -30,10 +30,11 @@ def ok(r):
 @pytest.mark.slow
 @pytest.mark.parametrize("residual", ["baseline", "delta"])
 def test_fsdp_on_two_processes_trains_like_one(tiny_data, tmp_path, residual):
-    """2 ranks x 1 micro-step, sharded, == 1 process x 2 micro-steps, on the same batches; activation
-    checkpointing on the FSDP side changes nothing either."""
-    ok(torchrun(tiny_data, tmp_path / "fsdp", residual=residual, activation_checkpointing=True))
-    T.train(cfg_for(tiny_data, tmp_path / "one", residual=residual, **STEPS))
+    """2 ranks x 2 micro-steps, sharded (gradients synced on the last micro-step only), == 1 process x 4
+    micro-steps, on the same batches; activation checkpointing on the FSDP side changes nothing either."""
+    accumulate = dict(gradient_accumulation_steps=4)
+    ok(torchrun(tiny_data, tmp_path / "fsdp", residual=residual, activation_checkpointing=True, **accumulate))
+    T.train(cfg_for(tiny_data, tmp_path / "one", residual=residual, **{**STEPS, **accumulate}))
     sharded, one = train_losses(tmp_path / "fsdp"), train_losses(tmp_path / "one")
     assert [s for s, _ in sharded] == [s for s, _ in one] == list(range(1, 7))
     torch.testing.assert_close([l for _, l in sharded], [l for _, l in one], rtol=1e-6, atol=1e-6)

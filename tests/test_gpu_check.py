@@ -17,6 +17,7 @@ from test_cli import refused
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
 
+@pytest.mark.slow
 @no_cuda
 def test_gpu_check_without_cuda_says_so_in_one_line():
     out = subprocess.run([sys.executable, "gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -31,6 +32,7 @@ def test_train_args_reach_every_training_run():
     assert cmd[-2:] == ["--batch-size", "32"] and cmd[cmd.index("--max-iters") + 1] == 10
 
 
+@pytest.mark.slow
 def test_gpu_check_bad_parts():
     out = subprocess.run([sys.executable, "gpu_check.py", "--parts", "tests,fly"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
@@ -125,6 +127,7 @@ def test_training_command_runs_and_its_metrics_are_read(tiny_data, tmp_path):
 
 # ---------------------------------------------------------------- bench --device cuda
 
+@pytest.mark.slow
 @no_cuda
 def test_bench_cuda_options_refused_without_cuda():
     refused("--device cuda needs a CUDA GPU", "bench", "--device", "cuda")
@@ -139,10 +142,12 @@ def test_bench_cuda_options_refused_without_cuda():
 def test_bench_cuda_option_checks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     check = lambda *argv: bench.check_args(bench.parse_args(["--device", "cuda", *argv]))
-    assert check() is None and check("--variants", "compiled", "--batch-size", "32") is None
-    assert "is a CPU config" in check("--config", "cpu")
-    assert "unknown --variants" in check("--variants", "fast")
-    assert "--batch-size must be at least 1" in check("--batch-size", "0")
+    check()
+    check("--variants", "compiled", "--batch-size", "32")
+    for argv, message in ((("--config", "cpu"), "is a CPU config"), (("--variants", "fast"), "unknown --variants"),
+                          (("--batch-size", "0"), "--batch-size must be at least 1")):
+        with pytest.raises(bench.BenchError, match=message):
+            check(*argv)
 
 
 def test_cuda_table_on_made_up_rows():

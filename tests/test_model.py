@@ -573,11 +573,12 @@ def test_generate_bad_arguments():
 
 # ---------------------------------------------------------------- checkpoints and state_dict names
 
-@pytest.mark.parametrize("name", ["delta", "baseline"])
+@pytest.mark.parametrize("name", ["delta", "attnres", "baseline"])
 @pytest.mark.parametrize("fast", [True, False])
-def test_checkpoint_written_before_fast_routing_existed_loads(name, fast):
-    """tests/data/old-format-*.pt were written by `cli.py train` before GPTConfig had fast_routing, with
-    the logits they gave then on a fixed input: they load, on either path, and give the same logits."""
+def test_checkpoints_of_the_previous_format_still_load(name, fast):
+    """tests/data/old-format-*.pt were written by `cli.py train` before GPTConfig had fast_routing (attnres's
+    with its final router), with the logits they gave then on a fixed input: they load, on either path, and
+    give the same logits."""
     ckpt = train.load_checkpoint(DATA / f"old-format-{name}.pt")
     assert "fast_routing" not in ckpt["model_config"]
     model = train.model_from_checkpoint(ckpt).eval()

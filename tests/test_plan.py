@@ -104,3 +104,11 @@ def test_bad_plan_input():
     refused("must be a multiple of --nproc 3", "plan", *TINY, "--nproc", "3")
     refused("does not fit on 2 GPUs of 1e-05 GiB at any batch size", "plan", *TINY, "--nproc", "2",
             "--gpu-memory", "0.00001")
+
+
+def test_the_plain_routing_path_is_planned_apart_from_the_fast_one():
+    """The plain router keeps O(S^2) stacked copies: a plan of it must not reuse the fast path's fit."""
+    fast = P.activations(small(residual="delta", n_layer=4), VOCAB)
+    plain = P.activations(small(residual="delta", n_layer=4, fast_routing=False), VOCAB)
+    assert plain > 1.5 * fast
+    assert abs(plain - measured(small(residual="delta", n_layer=4, fast_routing=False))) <= 0.1 * plain

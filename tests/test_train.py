@@ -314,7 +314,7 @@ def test_bad_option_on_the_command_line_is_one_line(tmp_path):
     assert r.stderr.strip() == "error: unknown option --max-iter; did you mean --max-iters? (see `python cli.py train --help`)"
 
 
-# ---------------------------------------------------------------- init-from, metrics
+# ---------------------------------------------------------------- warm starts, the run's files, the schedule
 
 def test_init_from_baseline_checkpoint_keeps_the_loss(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=8))
@@ -572,6 +572,7 @@ def test_threads_option_is_a_process_setting_of_the_entry_point(monkeypatch):
         T.make_config("cpu", threads=0)
 
 
+@pytest.mark.slow
 def test_fast_routing_is_a_training_option_not_architecture(tiny_data, tmp_path):
     """A run trained on the plain path resumes on the fast one (and the losses agree to float rounding)."""
     T.train(cfg_for(tiny_data, tmp_path / "plain", residual="delta", fast_routing=False, max_iters=4))
