@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 
-# make train: the quick start (prepare Shakespeare, train delta on the cpu preset, sample, report)
+# make train: the quick start (prepare Shakespeare, train delta on the cpu preset, sample, report); each
+# `make train` starts $(RUN) afresh, its checkpoints and report included
 RUN ?= runs/quickstart
 DATA_ARGS ?=
 TRAIN_ARGS ?=
@@ -31,7 +32,7 @@ train: $(STAMP)
 	$(PY) cli.py prepare $(DATA_ARGS)
 	$(PY) cli.py train --residual delta --preset cpu --out-dir $(RUN) --overwrite $(DATA_ARGS) $(TRAIN_ARGS)
 	$(PY) cli.py sample --ckpt $(RUN)/last.pt --num-samples 2 --max-new-tokens 300
-	$(PY) cli.py report --ckpt $(RUN)/last.pt
+	$(PY) cli.py report --ckpt $(RUN)/last.pt --force
 
 bench: $(STAMP)
 	$(PY) bench.py

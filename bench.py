@@ -24,6 +24,7 @@ one after another, each model freed before the next; a mode that runs out of mem
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -250,6 +251,8 @@ def check_args(args):
         raise BenchError(f"unknown --variants {args.variants!r}; choose eager, compiled or eager,compiled")
     if args.batch_size is not None and args.batch_size < 1:
         raise BenchError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.json is not None and os.path.exists(args.json):
+        raise BenchError(f"--json {args.json} already exists; move it away or choose another file")
 
 
 def main_cuda(args, modes):

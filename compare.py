@@ -44,6 +44,13 @@ def recorded_settings(out_dir):
     return None, None
 
 
+def changed_midway(out_dir):
+    """'name (a -> b at step N)' for each setting that decides a run's numbers and that a resume of the run in
+    out_dir changed (its metrics.jsonl records them)."""
+    return [f"{k} ({a!r} -> {b!r} at step {row['step']})" for row in T.read_metrics(out_dir) if row["kind"] == "resume"
+            for k, (a, b) in row.get("changed", {}).items() if k not in T.BOOKKEEPING_FIELDS]
+
+
 def run_state(cfg, overwrite=False):
     """(state, steps done) of the run cfg asks for: 'new' (nothing there), 'restart' (to train afresh),
     'resume' or 'finished'. Refuses a run directory whose recorded settings differ from cfg's."""
@@ -55,9 +62,17 @@ def run_state(cfg, overwrite=False):
     if diff:
         raise T.ConfigError(f"{cfg.out_dir} holds a run with other settings: {'; '.join(diff)}; choose another "
                             f"--out, or pass --overwrite to train it again")
+    midway = changed_midway(cfg.out_dir)
+    if midway:
+        raise T.ConfigError(f"{cfg.out_dir} holds a run resumed with other settings ({'; '.join(midway)}), not one "
+                            f"run with the settings asked for; choose another --out, or pass --overwrite to train "
+                            f"it again")
     if step is None:  # started with these settings but stopped before its first checkpoint
         return "restart", 0
-    return ("finished" if step >= cfg.max_iters else "resume"), step
+    if step >= cfg.max_iters:
+        run_summary(cfg.out_dir, cfg.seed)  # a finished run holds what the table is made of
+        return "finished", step
+    return "resume", step
 
 
 def train_or_reuse(cfg, state, echo=print):
@@ -74,6 +89,10 @@ def run_summary(out_dir, seed):
     [(step, val loss, elapsed seconds)]."""
     rows = T.read_metrics(out_dir)
     evals = [r for r in rows if r["kind"] == "eval"]
+    if not evals or not (Path(out_dir) / "config.json").exists():
+        raise S.StudyError(f"{out_dir} has a checkpoint but no {'evaluation in metrics.jsonl' if not evals else 'config.json'}"
+                           f", which the table is made from; pass --overwrite to train the study's runs again, "
+                           f"or move {out_dir} away")
     speeds = sorted(r["tokens_per_s"] for r in rows if r["kind"] == "train")
     routing = {k: v for k, v in (evals[-1].get("routing") or {}).items()
                if not (isinstance(v, float) and math.isnan(v))}  # NaN: no sublayer with more than one source
@@ -132,7 +151,8 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False):
     (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in (best, R.study_notes(study.reference)) if t)
                                     + "\n")
     cfg = runs[0].cfg
-    title = (f"{study.name}: preset {cfg.preset}, {cfg.dataset}, {cfg.max_iters} steps, "
+    shape = f"width {cfg.n_embd}" + (f", {cfg.n_layer} layers" if option != "n_layer" else "")
+    title = (f"{study.name}: preset {cfg.preset}, {cfg.dataset}, {shape}, {cfg.max_iters} steps, "
              f"seeds {', '.join(map(str, study.seeds))}")
     for path in R.draw_study(rows, summaries, study.reference, option, out, title):
         echo(f"wrote {path}")

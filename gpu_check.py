@@ -38,7 +38,8 @@ for an H200; on a smaller GPU give --budget more time (and --batch-size less mem
 Written to --out: gpu_check.md (the table), gpu_check.json, and each part's log (tests.log, tests.xml,
 bench.log, bench.json, warm-bench-MODE.log, warm-train-MODE.log, train-MODE.log and
 train-MODE-metrics.jsonl). Checkpoints of the training runs go to --runs (default runs/gpu-check), not
---out. Exit status 0 when every part passed; the project's GPU targets (baseline MFU at least 40%, the routed
+--out; each run there starts afresh. Both folders are marked as gpu-check's (a file .gpu-check), and a folder
+that holds other files is refused unless --force, so no one's runs are replaced. Exit status 0 when every part passed; the project's GPU targets (baseline MFU at least 40%, the routed
 modes' speed and peak memory against baseline; README, GPUs) are reported below the table, met or missed,
 not required.
 """
@@ -64,6 +65,7 @@ TRAIN_RESERVE = 120  # seconds kept for the training runs when the benchmark sta
 TRAIN_MIN = 30  # seconds a training run keeps for each run after it (about what one needs once compiled)
 TRAIN_FLOOR = 60  # seconds a training run may take all the same, while that much is left
 NO_TIME = "not run: too little of --budget left"
+MARK = ".gpu-check"  # in --out and --runs: folders gpu-check made, whose files it may replace
 TARGETS = dict(mfu=0.40, tok_s_x=dict(attnres=0.93, delta=0.95, delta_block=0.95), peak_x=1.15)  # the README's GPU targets
 
 # the benchmark's warm-up, one process per mode: compile its graph at batch argv[2], so that the timed run
@@ -107,6 +109,20 @@ def problems(data_dir=ROOT / "data"):
         except data.DataError as e:
             lines.append(f"{e} (or copy data/shakespeare_char/ again from where it was prepared)")
     return lines
+
+
+def foreign(folder, option):
+    """A line if `folder` is a file, or holds files that no gpu-check wrote (its marker MARK is missing): the
+    check replaces its own files and training runs there, so it takes no other folder unless --force."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return f"{option} {folder} is a file; give a folder"
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if names and MARK not in names:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return (f"{option} {folder} holds files that gpu-check did not write ({shown}); choose another {option}, or "
+                f"pass --force to use it (gpu-check replaces its logs, tables and training runs there)")
+    return None
 
 
 def cautions():
@@ -386,6 +402,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=16, help="the benchmark's batch (sequences of 1024 tokens)")
     ap.add_argument("--no-warm", action="store_true", help="compile in each timed part instead of beforehand")
     ap.add_argument("--train-args", default="", help="more options for every training run, as --train-args='--batch-size 32'")
+    ap.add_argument("--force", action="store_true", help="use an --out or --runs folder that gpu-check did not make")
     args = ap.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in args.parts if p not in PARTS]
@@ -400,15 +417,17 @@ def main(argv=None):
     args = parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget
-    lines = problems()
+    lines = [] if args.force else [line for line in (foreign(args.out, "--out"), foreign(args.runs, "--runs")) if line]
+    lines = lines or problems()
     if lines:
         for line in lines:
             print(f"error: {line}", file=sys.stderr)
         return 1
     for line in cautions():
         print(f"warning: {line}", file=sys.stderr)
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.runs.mkdir(parents=True, exist_ok=True)
+    for folder in (args.out, args.runs):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / MARK).touch()
     head = header()
     log(t0, f"gpu-check: {head}; parts {', '.join(args.parts)}, budget {args.budget:.0f} s; logs in {args.out}")
     rows, elapsed = [], {}

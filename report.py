@@ -245,6 +245,7 @@ def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, 
     if batches < 1 or batch_size < 1:
         raise T.ConfigError("--batches and --batch-size must be at least 1")
     out = Path(out) if out is not None else Path(paths[0]).parent / "report"
+    T.check_folder(out, "--out")
     written = [out / "report.json", out / "report.png"]
     if not force and any(p.exists() for p in written):
         raise T.ConfigError(f"{out} already holds a report; pass --force to replace it, or choose another --out")
@@ -374,15 +375,15 @@ def draw_study(rows, summaries, reference, option, out, title=None):
     if option is not None:
         written.append(draw_sweep(rows, option, [("val_loss", "val_loss_std", "validation loss (mean ± std)"),
                                                  ("diff", "diff_se", f"val loss - {reference} (± s.e.)")],
-                                  out / "loss.png"))
+                                  out / "loss.png", title=title))
         if any(r["max_weight"] is not None for r in rows):
             written.append(draw_sweep(rows, option, [("max_weight", None, "mean max routing weight"),
                                                      ("entropy", None, "normalised routing entropy")],
-                                      out / "sharpness.png", deep=True))
+                                      out / "sharpness.png", deep=True, title=title))
     return written
 
 
-def draw_sweep(rows, option, panels, path, deep=False):
+def draw_sweep(rows, option, panels, path, deep=False, title=None):
     """One panel per (key, error key, label): each variant's value against the swept option, with error
     bars; with deep, the deeper half's figure dashed beside it. Log x for positive values spanning 4x or more."""
     import matplotlib
@@ -412,6 +413,8 @@ def draw_sweep(rows, option, panels, path, deep=False):
         ax.set_ylabel(label + (" (dashed: deeper half)" if deep else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -29,7 +29,8 @@ def read_prompt(prompt=None, prompt_file=None, default="\n"):
     if prompt_file is not None:
         path = Path(prompt_file)
         if not path.is_file():
-            raise T.ConfigError(f"prompt file {path} does not exist")
+            said = "is a folder" if path.is_dir() else "does not exist"
+            raise T.ConfigError(f"prompt file {path} {said}; give a UTF-8 text file")
         try:
             prompt = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

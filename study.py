@@ -247,12 +247,19 @@ def cross(study, out):
 
 
 def claim_folder(study, out, overwrite=False, write=True):
-    """Check that OUT holds no runs of another study (with --overwrite it is taken over), then (with write)
-    record this one in OUT/study.json. More seeds, sweep values or variants extend a study; a folder without
-    study.json (an older compare) is adopted: its runs' settings are checked one by one when reused."""
+    """Check that OUT holds no runs of another study and no files a compare did not write (with --overwrite it
+    is taken over), then (with write) record this one in OUT/study.json. More seeds, sweep values or variants
+    extend a study; a folder without study.json but with compare.json (an older compare) is adopted: its runs'
+    settings are checked one by one when reused."""
     out = Path(out)
     path = out / "study.json"
     mine = json.loads(json.dumps(study.definition()))  # as it reads back
+    T.check_folder(out, "--out")
+    theirs = sorted(p.name for p in out.iterdir()) if out.is_dir() and not path.exists() else []
+    if theirs and "compare.json" not in theirs and not overwrite:  # not a study's, nor an older compare's
+        shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+        raise StudyError(f"{out} holds files that no compare wrote ({shown}); choose another --out, or pass "
+                         f"--overwrite to use it (compare.md, compare.json and the pictures there are replaced)")
     if path.exists() and not overwrite:
         try:
             theirs = json.loads(path.read_text())["study"]

@@ -46,6 +46,7 @@ from delta_gpt import GPT, GPT2_MODELS, GPTConfig, RESIDUALS, ROUTING_FIELDS, is
 from errors import DeltaGPTError
 
 ROUTED_MODES = tuple(m for m in RESIDUALS if m != "baseline")
+RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.json")  # what a run writes in its directory
 EVAL_SEED = 20260518  # seeds the fixed evaluation batches, the same whatever the training seed
 
 
@@ -155,6 +156,13 @@ def default_preset():
 
 def make_config(preset=None, **overrides):
     """TrainConfig from a named preset plus field overrides; bad names and values raise ConfigError."""
+    cfg = preset_config(preset, **overrides)
+    check_config(cfg)
+    return cfg
+
+
+def preset_config(preset=None, **overrides):
+    """make_config's TrainConfig before its values are checked (unknown names and presets are refused)."""
     preset = preset or default_preset()
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -163,24 +171,24 @@ def make_config(preset=None, **overrides):
         raise ConfigError(f"unknown TrainConfig field(s) {', '.join(sorted(unknown))}")
     if overrides.get("resume") and overrides.get("init_from", "scratch") != "scratch":
         raise ConfigError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
-    cfg = replace(TrainConfig(), **{**PRESETS[preset], **overrides, "preset": preset})
-    check_config(cfg)
-    return cfg
+    return replace(TrainConfig(), **{**PRESETS[preset], **overrides, "preset": preset})
 
 
 def resume_config(preset=None, **overrides):
     """The config of the run in out_dir (from its last.pt) with `overrides` on top, for --resume.
-    The architecture may not change (refused, naming the options given); other changes are logged."""
-    fresh = make_config(preset, **{**overrides, "resume": True})
-    ckpt = load_checkpoint(Path(out_dir_of(fresh)) / "last.pt", mmap=True)
+    The architecture may not change (refused, naming the options given and the run's values); other changes
+    are logged. Values are checked against the run's settings, not a preset's."""
+    out_dir = out_dir_of(preset_config(preset, **{**overrides, "resume": True}))
+    ckpt = load_checkpoint(Path(out_dir) / "last.pt", mmap=True)
     names = {f.name for f in fields(TrainConfig)}
     saved = replace(TrainConfig(), **{k: v for k, v in ckpt["config"].items() if k in names})
     if preset is not None and preset != saved.preset:
         raise ConfigError(f"--preset {preset} differs from the run's preset {saved.preset}; a resumed run keeps its preset")
-    changed = [f"--{flag(k)} {v} (the run has {getattr(saved, k)})" for k, v in overrides.items()
-               if k in ARCH_FIELDS and v != getattr(saved, k)]
+    has = model_config(saved, vocab_size=1)  # the run's architecture, each mode's defaults filled in
+    changed = [f"--{flag(k)} {v} (the run has {getattr(has, k) if getattr(has, k) is not None else 'none'})"
+               for k, v in overrides.items() if k in ARCH_FIELDS and v != getattr(has, k)]
     if changed:
-        raise ConfigError(f"cannot resume {out_dir_of(fresh)} with another architecture: {'; '.join(changed)}; "
+        raise ConfigError(f"cannot resume {out_dir} with another architecture: {'; '.join(changed)}; "
                           f"leave these out, or train a new run in another --out-dir")
     # the saved init_from only records where the run began: its weights now come from last.pt
     cfg = replace(saved, **{**overrides, "resume": True})
@@ -312,6 +320,7 @@ def config_from_args(argv):
 def save_checkpoint(obj, path):
     """torch.save to a temporary file in the same folder, then rename: a crash leaves the old file whole."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -384,9 +393,19 @@ def dataset_info(meta, name):
     return dict(name=name, tokenizer=meta.get("tokenizer"), vocab_size=meta.get("vocab_size"), chars=meta.get("chars"))
 
 
+def check_folder(folder, option):
+    """Refuse a folder that is a file or lies under one (before anything is computed, not when writing)."""
+    folder = Path(folder)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"{option} {folder}: {existing} is a file, not a folder; choose another {option}")
+
+
 def refuse_to_replace(out, force, inputs=()):
-    """Refuse to write `out` over one of `inputs` (always) or over any existing file (unless force)."""
+    """Refuse to write `out` over one of `inputs` (always) or over any existing file (unless force), or
+    under a file."""
     out = Path(out)
+    check_folder(out.parent, "--out")
     if any(Path(p).exists() and out.exists() and out.samefile(p) for p in inputs):
         raise ConfigError(f"--out {out} is the input checkpoint itself; write the result to another path")
     if out.is_dir():
@@ -593,6 +612,7 @@ def start_run(cfg, rank, world_size, device):
     if cfg.gradient_accumulation_steps % world_size:
         raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple "
                           f"of the number of processes {world_size}")
+    check_folder(cfg.out_dir, "--out-dir")
     lock = RunLock(cfg.out_dir, rank == 0 and not cfg.eval_only)
     with lock.held_on_error():
         ckpt, changed = claim_run_dir(cfg, rank == 0)
@@ -633,7 +653,7 @@ def claim_run_dir(cfg, master):
         return ckpt, changed
     if cfg.eval_only:
         return None, {}
-    existing = [f for f in ("last.pt", "best.pt", "metrics.jsonl") if (out_dir / f).exists()]
+    existing = [f for f in RUN_FILES if (out_dir / f).exists()]
     if existing and not cfg.overwrite:
         raise ConfigError(f"{out_dir} already holds a run ({', '.join(existing)}); pass --resume to continue it, "
                           f"--overwrite to start over (deleting it), or another --out-dir")
@@ -642,7 +662,7 @@ def claim_run_dir(cfg, master):
         raise ConfigError(f"--init-from {cfg.init_from} is inside {out_dir}, which --overwrite would clear; "
                           f"copy it elsewhere first or choose another --out-dir")
     if cfg.overwrite and master:  # the old run's files must not be resumed or read by mistake
-        for old in ("last.pt", "best.pt", "metrics.jsonl", "config.json"):
+        for old in RUN_FILES:
             (out_dir / old).unlink(missing_ok=True)
     return None, {}
 

@@ -227,15 +227,18 @@ def test_prepare_unknown_dataset():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_quick_start_make_train(tmp_path):
-    """`make train` as the README gives it (prepare, train delta, sample, report), on a tiny setting."""
-    r = subprocess.run(["make", "-s", "-o", ".venv/.installed", "train", f"PY={sys.executable}",
-                        f"RUN={tmp_path / 'run'}", f"DATA_ARGS=--data-dir {tmp_path / 'data'}",
-                        "TRAIN_ARGS=--max-iters 20 --eval-interval 10 --eval-iters 2 --n-layer 2 --no-progress"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "prepared" in r.stdout and "done: val loss" in r.stdout and "---------------" in r.stdout
-    assert "max weight, deeper half" in r.stdout
-    assert (tmp_path / "run" / "report" / "report.png").exists()
+    """`make train` as the README gives it (prepare, train delta, sample, report), on a tiny setting; a second
+    `make train` starts the quick-start run afresh, its report included."""
+    for _ in range(2):
+        r = subprocess.run(["make", "-s", "-o", ".venv/.installed", "train", f"PY={sys.executable}",
+                            f"RUN={tmp_path / 'run'}", f"DATA_ARGS=--data-dir {tmp_path / 'data'}",
+                            "TRAIN_ARGS=--max-iters 20 --eval-interval 10 --eval-iters 2 --n-layer 2 --no-progress"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "done: val loss" in r.stdout and "---------------" in r.stdout
+        assert "max weight, deeper half" in r.stdout
+        assert (tmp_path / "run" / "report" / "report.png").exists()
+    assert "already prepared" in r.stdout
 
 
 # ---------------------------------------------------------------- nothing a user made is replaced
@@ -254,6 +257,28 @@ def test_convert_never_writes_over_its_input_and_asks_before_replacing(runs, tmp
     assert T.load_checkpoint(other)["model_config"]["residual"] == "delta"
 
 
+def test_a_file_where_a_folder_belongs_is_one_line_before_any_work(runs, tiny_data, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    base, delta = runs / "baseline" / "last.pt", runs / "delta" / "last.pt"
+    refused("is a file, not a folder", "convert", "--ckpt", base, "--residual", "delta", "--out", afile / "x.pt")
+    refused("is a file, not a folder", "report", "--ckpt", delta, "--out", afile)
+    refused("is a file, not a folder", "report", "--ckpt", delta, "--out", afile / "sub")
+    refused("is a file, not a folder", "train", "--out-dir", afile, "--dataset", "tiny", "--data-dir", tiny_data, *TINY)
+    refused("is a folder", "sample", "--ckpt", delta, "--prompt-file", tmp_path)
+    assert afile.read_text() == "mine"
+    ok("convert", "--ckpt", base, "--residual", "delta", "--out", tmp_path / "new" / "x.pt", "--eval-iters", 1)
+    assert (tmp_path / "new" / "x.pt").exists()  # a missing folder is made
+
+
+def test_train_never_replaces_a_run_file_in_a_folder_without_a_checkpoint(tiny_data, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text('{"mine": 1}')
+    refused("already holds a run (config.json)", "train", "--out-dir", tmp_path / "run", "--dataset", "tiny",
+            "--data-dir", tiny_data, *TINY)
+    assert (tmp_path / "run" / "config.json").read_text() == '{"mine": 1}'
+
+
 @pytest.mark.slow
 def test_compare_refuses_finished_runs_with_other_settings(tiny_data, tmp_path):
     args = ["compare", "--residual", "baseline", "--seeds", "1", "--out", tmp_path / "cmp",
@@ -267,6 +292,32 @@ def test_compare_refuses_finished_runs_with_other_settings(tiny_data, tmp_path):
     assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["runs"][0]["val_loss"]
     assert T.load_checkpoint(tmp_path / "cmp" / "baseline-s1" / "last.pt")["iter_num"] == 2
     assert "| baseline | 1 |" in out and "± -" in out  # one seed: no spread to show
+
+
+@pytest.mark.slow
+def test_compare_never_reports_a_run_resumed_with_other_settings_nor_takes_over_a_users_folder(tiny_data, tmp_path):
+    args = ["--residual", "baseline", "--seeds", "1", "--dataset", "tiny", "--data-dir", tiny_data,
+            "--eval-interval", 2, *TINY]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "compare.md").write_text("my notes")
+    refused("holds files that no compare wrote (compare.md)", "compare", *args, "--max-iters", 2, "--out", mine)
+    assert (mine / "compare.md").read_text() == "my notes" and sorted(p.name for p in mine.iterdir()) == ["compare.md"]
+    (tmp_path / "afile").write_text("x")
+    refused("is a file", "compare", *args, "--max-iters", 2, "--out", tmp_path / "afile")
+    cmp = tmp_path / "cmp"
+    ok("compare", *args, "--max-iters", 2, "--out", cmp)
+    # the user resumes the run with another learning rate: no longer one run with one setting
+    run = cmp / "baseline-s1"
+    ok("train", "--resume", "--out-dir", run, "--max-iters", 4, "--learning-rate", "0.01")
+    (cmp / "study.json").unlink()  # as an older compare's folder: each run's settings are checked
+    refused("resumed with other settings (max_iters (2 -> 4 at step 2); learning_rate (0.001 -> 0.01 at step 2))",
+            "compare", *args,
+            "--max-iters", 4, "--learning-rate", "0.01", "--out", cmp)
+    ok("compare", *args, "--max-iters", 4, "--learning-rate", "0.01", "--out", cmp, "--overwrite")
+    (run / "metrics.jsonl").unlink()
+    refused("has a checkpoint but no evaluation in metrics.jsonl", "compare", *args, "--max-iters", 4,
+            "--learning-rate", "0.01", "--out", cmp)
 
 
 def test_report_checks_every_checkpoint_before_computing(runs, tmp_path, monkeypatch):

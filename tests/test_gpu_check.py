@@ -32,6 +32,28 @@ def test_train_args_reach_every_training_run():
     assert cmd[-2:] == ["--batch-size", "32"] and cmd[cmd.index("--max-iters") + 1] == 10
 
 
+def test_gpu_check_takes_no_folder_it_did_not_make(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "delta").mkdir()  # a user's run: gpu-check would train into runs/delta afresh
+    assert "holds files that gpu-check did not write (delta)" in G.foreign(tmp_path / "runs", "--runs")
+    (tmp_path / "afile").write_text("x")
+    assert G.foreign(tmp_path / "afile", "--out") == f"--out {tmp_path / 'afile'} is a file; give a folder"
+    assert G.foreign(tmp_path / "new", "--out") is None
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / G.MARK).touch()
+    (tmp_path / "mine" / "gpu_check.md").write_text("an earlier check")
+    assert G.foreign(tmp_path / "mine", "--out") is None  # its own folder, used again
+
+
+@pytest.mark.slow
+def test_gpu_check_refuses_a_users_folder_in_one_line(tmp_path):
+    (tmp_path / "delta").mkdir()
+    out = subprocess.run([sys.executable, "gpu_check.py", "--runs", tmp_path], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip().startswith(f"error: --runs {tmp_path} holds files"), out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["delta"]
+
+
 @pytest.mark.slow
 def test_gpu_check_bad_parts():
     out = subprocess.run([sys.executable, "gpu_check.py", "--parts", "tests,fly"], cwd=ROOT, capture_output=True,
@@ -139,13 +161,15 @@ def test_bench_cuda_options_refused_without_cuda():
     assert out.returncode == 1 and out.stderr.strip().startswith("error: --device cuda needs a CUDA GPU")
 
 
-def test_bench_cuda_option_checks(monkeypatch):
+def test_bench_cuda_option_checks(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     check = lambda *argv: bench.check_args(bench.parse_args(["--device", "cuda", *argv]))
     check()
     check("--variants", "compiled", "--batch-size", "32")
+    (tmp_path / "rows.json").write_text("mine")
     for argv, message in ((("--config", "cpu"), "is a CPU config"), (("--variants", "fast"), "unknown --variants"),
-                          (("--batch-size", "0"), "--batch-size must be at least 1")):
+                          (("--batch-size", "0"), "--batch-size must be at least 1"),
+                          (("--json", str(tmp_path / "rows.json")), "already exists")):
         with pytest.raises(bench.BenchError, match=message):
             check(*argv)
 

@@ -225,6 +225,21 @@ def test_resume_with_other_architecture_names_the_fields(tiny_data, tmp_path):
     assert "route_partial" not in str(info.value)  # only the settings the user gave, no internal defaults
 
 
+def test_resume_checks_options_against_the_run_not_the_preset(tiny_data, tmp_path):
+    """A 2-layer, width-32 delta run: the routing values it already has resume (the preset's 4 layers would
+    make n_route_blocks=4 wrong for delta), another head count is named against the run's, and routing
+    options on a baseline run name the run's 'none'."""
+    T.train(cfg_for(tiny_data, tmp_path / "delta", residual="delta", max_iters=2))
+    cfg = T.resume_config(out_dir=str(tmp_path / "delta"), residual="delta", n_route_blocks=4, route_partial=True,
+                          max_iters=3)
+    assert cfg.n_embd == 32 and cfg.max_iters == 3
+    with pytest.raises(T.ConfigError, match=r"another architecture: --n-head 3 \(the run has 2\)"):
+        T.resume_config(out_dir=str(tmp_path / "delta"), n_head=3)
+    T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=2))
+    with pytest.raises(T.ConfigError, match=r"--route-partial True \(the run has none\)"):
+        T.resume_config(out_dir=str(tmp_path / "base"), route_partial=True)
+
+
 def test_missing_dataset_names_the_prepare_command(tmp_path):
     cfg = T.make_config("cpu", dataset="nosuch", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), progress=False)
     with pytest.raises(data.DataError, match="python cli.py prepare"):
