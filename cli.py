@@ -5,8 +5,8 @@
     python cli.py COMMAND --help               # every command documents its options
 
 Bad input ends with one line on stderr and exit status 1, never a traceback. A command line that does
-not parse (an unknown command, a missing or mistyped option of a command other than train and compare,
-whose training options delta-gpt parses itself) gets Typer's usage message and exit status 2.
+not parse (an unknown command, a missing or mistyped option of a command other than train, compare and
+plan, whose training options delta-gpt parses itself) gets a usage message and exit status 2.
 """
 import functools
 import math
