@@ -240,7 +240,14 @@ def check_args(args):
         if args.batch_size is not None or args.variants is not None or args.json is not None:
             raise BenchError("--batch-size, --variants and --json apply to --device cuda only; the CPU configs "
                              "fix their batch")
+        for name in CONFIGS if args.config == "all" else [args.config]:
+            try:
+                cpu_config(name, args)
+            except ValueError as e:
+                raise BenchError(f"--config {name} with --n-layer/--n-embd: {e}") from None
         return
+    if args.n_layer is not None or args.n_embd is not None:
+        raise BenchError("--n-layer and --n-embd apply to the CPU configs only")
     if not torch.cuda.is_available():
         raise BenchError(f"--device cuda needs a CUDA GPU, and this PyTorch ({torch.__version__}) sees none; "
                          f"run the CPU benchmark without --device, or install a CUDA build of PyTorch (README, GPUs)")
@@ -287,6 +294,8 @@ def parser(prog=None):
     ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes; baseline first")
     ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth; 10 on CUDA)")
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds, interleaved over the modes on the CPU (the fastest is taken; default 15, 3 on CUDA)")
+    ap.add_argument("--n-layer", type=int, default=None, help="CPU: the config at another depth (e.g. a study's)")
+    ap.add_argument("--n-embd", type=int, default=None, help="CPU: the config at another width (a multiple of its heads)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--malloc", default="keep",
                     help="keep: malloc keeps freed memory for reuse, as CPU training does; default: the C library's behaviour")
@@ -307,6 +316,12 @@ def options_help():
     return "\n".join(f"  {a.option_strings[-1]:<14} {a.help}" for a in parser()._actions if a.dest != "help")
 
 
+def cpu_config(name, args):
+    """(GPTConfig, batch) of CPU config `name`, at --n-layer and --n-embd where given."""
+    config, batch = CONFIGS[name]
+    return replace(config, n_layer=args.n_layer or config.n_layer, n_embd=args.n_embd or config.n_embd), batch
+
+
 def main(argv=None, prog=None):
     """Parse and check the options (BenchError for a bad one), set the process up and run the benchmark."""
     args = parse_args(argv, prog)
@@ -322,7 +337,7 @@ def main(argv=None, prog=None):
     rounds = args.rounds or 15
     malloc = "keeps freed memory" if args.malloc == "keep" and keep_freed_memory() else "default"
     for name in CONFIGS if args.config == "all" else [args.config]:
-        config, batch = CONFIGS[name]
+        config, batch = cpu_config(name, args)
         memory_layers = (2 * config.n_layer,) if name == "d768" else ()
         print(f"\n{name}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, "
               f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, malloc {malloc}, best of {rounds} rounds")

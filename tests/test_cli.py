@@ -131,6 +131,9 @@ def test_bench(monkeypatch):
     monkeypatch.setitem(bench.CONFIGS, "cpu", (GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), 2))
     out = ok("bench", "--config", "cpu", "--residual", "baseline,delta", "--iters", 1, "--rounds", 1, "--malloc", "default")
     assert "| baseline |" in out and "| delta |" in out and "tokens/s" in out and "saved MB" in out
+    out = ok("bench", "--config", "cpu", "--residual", "baseline,delta", "--iters", 1, "--rounds", 1, "--malloc", "default",
+             "--n-layer", 3, "--n-embd", 16)
+    assert "cpu: n_layer 3, n_embd 16," in out
     # rounds sized by time (the default), ratios against baseline
     rows = bench.bench(*bench.CONFIGS["cpu"], ("baseline", "delta"), rounds=2, round_s=0.05)
     assert rows[0]["tok_s_x"] == 1.0 and rows[1]["tok_s"] > 0 and rows[1]["saved_x"] > 1.0
@@ -196,6 +199,7 @@ def test_unknown_mode_and_preset(runs, tmp_path):
     refused("unknown preset 'huge'", "compare", "--preset", "huge", "--out", tmp_path / "c")
     refused("unknown mode 'resnet'", "bench", "--residual", "resnet")
     refused("unknown --malloc 'huge'", "bench", "--malloc", "huge")
+    refused("n_embd=66 is not divisible by n_head=4", "bench", "--config", "cpu", "--n-embd", "66")
     refused("is not a routed mode", "convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "resnet",
             "--out", tmp_path / "x.pt")
     refused("already a delta model", "convert", "--ckpt", runs / "delta" / "last.pt", "--residual", "attnres",
