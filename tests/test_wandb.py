@@ -3,6 +3,7 @@ one line before anything trains."""
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,20 @@ def history(path):
     return rows
 
 
+def history_once_written(path, train_rows, seconds=60):
+    """history(path) once it holds `train_rows` training rows, or as it is after `seconds`: wandb's service
+    process may still be writing the file when wandb.finish() returns (seen on a loaded machine)."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            rows = history(path)
+        except Exception:  # a chunk still being written
+            rows = []
+        if len(logged(rows, "train/train_loss")) >= train_rows or time.time() > deadline:
+            return rows
+        time.sleep(0.25)
+
+
 def logged(rows, key):
     return [(r["_step"], r[key]) for r in rows if key in r]
 
@@ -50,7 +65,7 @@ def test_offline_run_logs_the_metrics(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     T.train(cfg_for(tiny_data, tmp_path / "run", residual="delta", wandb_project="delta-gpt-test", wandb_run_name="tiny"))
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    rows = history(run_file)
+    rows = history_once_written(run_file, len(train_losses(tmp_path / "run")))
     assert logged(rows, "train/train_loss") == train_losses(tmp_path / "run") and len(rows) >= 8
     evals = [r for r in T.read_metrics(tmp_path / "run") if r["kind"] == "eval"]
     assert logged(rows, "eval/val_loss") == [(r["step"], r["val_loss"]) for r in evals]
