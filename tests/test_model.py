@@ -424,6 +424,25 @@ def test_compiled_fast_routing_equals_eager_plain(residual):
         torch.testing.assert_close(grads[name], eager_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("residual,kw", [m for m in EVERY_MODE_AND_N if m[0] != "baseline"])
+def test_fast_routing_traced_by_torch_compile_equals_plain(residual, kw):
+    """Every mode and block count: torch.compile(fullgraph=True) traces the fast path whole (the custom
+    autograd Functions included) and, run through AOT autograd without Inductor's code generation (which the
+    test above covers for two modes), gives the plain path's logits and gradients, in float64 as above."""
+    model = model_of(tiny(residual, **kw), queries=1.0).double()
+    idx = idx_batch(T=16)
+    model.config.fast_routing = False
+    eager_logits, eager_grads = logits_and_grads(model, idx)
+    model.config.fast_routing = True
+    torch._dynamo.reset()
+    logits, grads = logits_and_grads(torch.compile(model, fullgraph=True, backend="aot_eager"), idx)
+    torch._dynamo.reset()
+    torch.testing.assert_close(logits, eager_logits)
+    for name in eager_grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], msg=name)
+
+
 # ---------------------------------------------------------------- activation memory is linear in depth
 
 def test_activation_memory_linear_in_depth():
