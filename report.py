@@ -242,8 +242,7 @@ def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, 
     import train as T
     if len(paths) > 2:
         raise T.ConfigError("report compares at most two checkpoints")
-    if batches < 1 or batch_size < 1:
-        raise T.ConfigError("--batches and --batch-size must be at least 1")
+    T.at_least_one(batches=batches, batch_size=batch_size)
     out = Path(out) if out is not None else Path(paths[0]).parent / "report"
     T.check_folder(out, "--out")
     written = [out / "report.json", out / "report.png"]

@@ -46,10 +46,7 @@ def read_prompt(prompt=None, prompt_file=None, default="\n"):
 def generate_text(ckpt_path, prompt=None, prompt_file=None, num_samples=3, max_new_tokens=300, temperature=0.8,
                   top_k=None, seed=1337, device="cpu"):
     """Yield `num_samples` texts (the prompt and its continuation) from a checkpoint."""
-    if max_new_tokens < 1:
-        raise T.ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if num_samples < 1:
-        raise T.ConfigError(f"--num-samples must be at least 1, got {num_samples}")
+    T.at_least_one(max_new_tokens=max_new_tokens, num_samples=num_samples)
     if temperature < 0:
         raise T.ConfigError(f"--temperature must be at least 0 (0 is greedy), got {temperature}")
     model, ckpt = load_model(ckpt_path, device)
@@ -70,8 +67,7 @@ def generate_text(ckpt_path, prompt=None, prompt_file=None, num_samples=3, max_n
 
 def evaluate_checkpoint(ckpt_path, dataset=None, eval_iters=50, batch_size=12, data_dir=None, device="cpu"):
     """(dataset name, mean validation loss, block_size) of a checkpoint on the fixed validation batches."""
-    if eval_iters < 1 or batch_size < 1:
-        raise T.ConfigError("--eval-iters and --batch-size must be at least 1")
+    T.at_least_one(eval_iters=eval_iters, batch_size=batch_size)
     model, ckpt = load_model(ckpt_path, device)
     ds = T.checkpoint_dataset(ckpt, ckpt_path, dataset=dataset, data_dir=data_dir)
     loss = T.estimate_loss(model, ds, "val", eval_iters, batch_size, progress=True)

@@ -200,12 +200,17 @@ def out_dir_of(cfg):
     return cfg.out_dir or f"runs/{cfg.preset}-{cfg.residual}"
 
 
+def at_least_one(**options):
+    """ConfigError naming the first option (by its field name) whose value is below 1."""
+    for name, value in options.items():
+        if value < 1:
+            raise ConfigError(f"--{flag(name)} must be at least 1, got {value}")
+
+
 def check_config(cfg):
     """One clear ConfigError for a bad value or combination; GPTConfig checks the model fields."""
-    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters", "log_interval",
-                 "ckpt_interval"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{flag(name)} must be at least 1, got {getattr(cfg, name)}")
+    at_least_one(**{name: getattr(cfg, name) for name in ("batch_size", "gradient_accumulation_steps",
+                                                          "eval_interval", "eval_iters", "log_interval", "ckpt_interval")})
     for name in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{flag(name)} must not be negative, got {getattr(cfg, name)}")
@@ -418,6 +423,7 @@ def convert_checkpoint(src, out, residual, n_route_blocks=None, route_partial=No
                        data_dir=None, force=False):
     """A routed checkpoint at `out` from the baseline checkpoint `src`, routing at zero init.
     Returns (val loss before, val loss after, the routed model's config)."""
+    at_least_one(eval_iters=eval_iters, batch_size=batch_size)
     refuse_to_replace(out, force, inputs=[src])
     if residual not in ROUTED_MODES:
         raise ConfigError(f"--residual {residual!r} is not a routed mode; choose {', '.join(ROUTED_MODES)}")

@@ -218,6 +218,22 @@ def test_bad_sample_arguments(runs, tmp_path):
     refused("prompt file", "sample", "--ckpt", ckpt, "--prompt-file", tmp_path / "missing.txt")
 
 
+@pytest.mark.parametrize("option", ["--eval-iters", "--batch-size", "--batches", "--num-samples"])
+def test_counts_below_one_are_refused_before_any_work(runs, tmp_path, option):
+    """convert, eval, report and sample take their counts of batches and sequences from the command line."""
+    ckpt = runs / "delta" / "last.pt"
+    commands = {"--eval-iters": [["convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "delta",
+                                  "--out", tmp_path / "c.pt"], ["eval", "--ckpt", ckpt]],
+                "--batch-size": [["convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "delta",
+                                  "--out", tmp_path / "c.pt"], ["eval", "--ckpt", ckpt],
+                                 ["report", "--ckpt", ckpt, "--out", tmp_path / "r"]],
+                "--batches": [["report", "--ckpt", ckpt, "--out", tmp_path / "r"]],
+                "--num-samples": [["sample", "--ckpt", ckpt]]}[option]
+    for command in commands:
+        refused(f"{option} must be at least 1, got 0", *command, option, 0)
+    assert not (tmp_path / "c.pt").exists() and not (tmp_path / "r").exists()
+
+
 def test_report_refuses_baseline(runs):
     refused("is a baseline model: it has no routing to report", "report", "--ckpt", runs / "baseline" / "last.pt")
 
