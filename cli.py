@@ -98,7 +98,8 @@ def train(ctx: typer.Context):
     summary = T.train(cfg)
     if summary.get("val_loss") is not None and int(os.environ.get("RANK", 0)) == 0:
         typer.echo(f"done: val loss {summary['val_loss']:.4f} (perplexity {math.exp(summary['val_loss']):.2f}) "
-                   f"after {summary['iter_num']} steps; checkpoints in {T.out_dir_of(cfg)}")
+                   f"after {summary['iter_num']} steps; " + ("evaluated only, nothing written" if cfg.eval_only
+                                                              else f"checkpoints in {T.out_dir_of(cfg)}"))
 
 
 @app.command()

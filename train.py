@@ -387,10 +387,14 @@ def arch_diff(old, new, keys=ARCH_FIELDS):
 def check_tokenizer(ckpt, meta, path):
     """A checkpoint's dataset tokenizer must match the run's dataset (same ids for the same text)."""
     saved = ckpt.get("dataset") or {}
-    if saved.get("tokenizer") != meta.get("tokenizer") or saved.get("chars") != meta.get("chars"):
-        raise ConfigError(f"{path} was trained with a different tokenizer or vocabulary ({saved.get('name')}, "
-                          f"{saved.get('tokenizer')}) than this dataset ({meta.get('tokenizer')}); "
-                          f"use a dataset with the same tokenizer")
+    if saved.get("tokenizer") != meta.get("tokenizer"):
+        raise ConfigError(f"{path} was trained with the {saved.get('tokenizer')} tokenizer (dataset "
+                          f"{saved.get('name')}), and this dataset uses {meta.get('tokenizer')}; use a dataset with "
+                          f"the same tokenizer")
+    if saved.get("chars") != meta.get("chars"):
+        raise ConfigError(f"{path} was trained on the {len(saved.get('chars') or '')} characters of dataset "
+                          f"{saved.get('name')}, and this dataset's {len(meta.get('chars') or '')} characters are not "
+                          f"the same; use the dataset it was trained on, or one with the same characters")
 
 
 def dataset_info(meta, name):
@@ -1084,16 +1088,23 @@ class Progress:
 
 class RunLock:
     """An OS lock on out_dir/run.lock for the whole run, so two trainings never write one run directory.
-    The kernel drops it when the process ends, however it ends: a killed run leaves no stale lock."""
+    The kernel drops it when the process ends, however it ends: a killed run leaves no stale lock. A run that
+    fails to start (held_on_error) leaves the folder as it found it: what the lock made is removed again."""
 
     def __init__(self, out_dir, active):
-        self.path, self.file = Path(out_dir) / "run.lock", None
+        self.path, self.file, self.made, self.before = Path(out_dir) / "run.lock", None, [], None
         if not active:
             return
         try:
             import fcntl
         except ImportError:  # not a POSIX system: no lock
             return
+        self.made = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]  # deepest first
+        if self.path.is_file():
+            self.before = self.path.read_text(errors="replace")
+            if self.before.strip() and not self.before.strip().isdigit():
+                raise TrainError(f"{self.path} is not a run lock that delta-gpt wrote; move it away, or choose "
+                                 f"another --out-dir")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a+")
         try:
@@ -1111,11 +1122,22 @@ class RunLock:
 
     @contextlib.contextmanager
     def held_on_error(self):
-        """Release the lock if setting up the run fails."""
+        """Release the lock if setting up the run fails, and undo what the lock made: the lock file's old
+        content (a stale process id) back, or the file and the folders it was made in removed."""
         try:
             yield
         except BaseException:
-            self.release()
+            if self.file is not None:
+                if self.before is not None:
+                    self.file.seek(0)
+                    self.file.truncate()
+                    self.file.write(self.before)
+                else:
+                    self.path.unlink(missing_ok=True)
+                self.release()
+                for folder in self.made:
+                    with contextlib.suppress(OSError):  # only while empty
+                        folder.rmdir()
             raise
 
     def release(self):

@@ -72,6 +72,13 @@ def test_train_resume_through_the_cli(runs, tmp_path):
     assert T.load_checkpoint(tmp_path / "delta" / "last.pt")["iter_num"] == 14
 
 
+def test_eval_only_says_it_wrote_nothing(runs, tiny_data, tmp_path):
+    out = ok("train", "--residual", "delta", "--init-from", runs / "baseline" / "last.pt", "--eval-only",
+             "--dataset", "tiny", "--data-dir", tiny_data, "--out-dir", tmp_path / "eo", *TINY)
+    assert "evaluated only, nothing written" in out and "checkpoints in" not in out
+    assert not (tmp_path / "eo").exists()
+
+
 def test_sample(runs, tmp_path):
     out = ok("sample", "--ckpt", runs / "delta" / "last.pt", "--prompt", "alpha", "--num-samples", 2,
              "--max-new-tokens", 20, "--seed", 1)
@@ -187,7 +194,10 @@ def test_checkpoint_and_dataset_with_different_tokenizers(runs, tiny_data, tmp_p
     (tmp_path / "other.txt").write_text("completely different characters: XYZ 123 ~~~\n" * 40)
     data.prepare("text", input=tmp_path / "other.txt", tokenizer="char", out_name="other", data_dir=tiny_data,
                  progress=False)
-    refused("different tokenizer or vocabulary", "eval", "--ckpt", runs / "delta" / "last.pt", "--dataset", "other")
+    refused("characters are not the same", "eval", "--ckpt", runs / "delta" / "last.pt", "--dataset", "other")
+    with pytest.raises(T.ConfigError, match="trained with the char tokenizer \\(dataset tiny\\), and this dataset "
+                                            "uses gpt2"):
+        T.check_tokenizer(T.load_checkpoint(runs / "delta" / "last.pt"), dict(tokenizer="gpt2"), "c.pt")
 
 
 def test_unknown_mode_and_preset(runs, tmp_path):

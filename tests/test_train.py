@@ -14,6 +14,7 @@ import data
 import train as T
 from conftest import ROOT
 from delta_gpt import GPT, GPTConfig, RESIDUALS
+from errors import DeltaGPTError
 
 
 def cfg_for(tiny_data, out_dir, **kw):
@@ -517,6 +518,25 @@ def test_a_second_training_into_a_busy_run_directory_is_refused(tiny_data, tmp_p
     finally:
         holder.release()
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))  # free again once released
+
+
+def test_a_refused_training_leaves_the_folder_as_it_was(tiny_data, tmp_path):
+    """No folder or lock file is left behind by a run that fails to start, a stale lock's content is put
+    back, and a run.lock that no run wrote is refused, not replaced."""
+    with pytest.raises(DeltaGPTError, match="not prepared"):
+        T.train(cfg_for(tiny_data, tmp_path / "new" / "run", dataset="nope", max_iters=2))
+    assert not (tmp_path / "new").exists()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "last.pt").write_text("mine")
+    (run / "run.lock").write_text("12345\n")  # a killed run's
+    with pytest.raises(T.ConfigError, match="already holds a run"):
+        T.train(cfg_for(tiny_data, run, max_iters=2))
+    assert (run / "run.lock").read_text() == "12345\n" and (run / "last.pt").read_text() == "mine"
+    (run / "run.lock").write_text("mine")
+    with pytest.raises(T.TrainError, match="is not a run lock that delta-gpt wrote"):
+        T.train(cfg_for(tiny_data, run, max_iters=2, overwrite=True))
+    assert (run / "run.lock").read_text() == "mine" and (run / "last.pt").read_text() == "mine"
 
 
 @pytest.mark.slow  # a subprocess
