@@ -402,6 +402,18 @@ def dataset_info(meta, name):
     return dict(name=name, tokenizer=meta.get("tokenizer"), vocab_size=meta.get("vocab_size"), chars=meta.get("chars"))
 
 
+def check_same_data(out_dir, meta, way_out):
+    """Refuse to go on with the run in out_dir when its dataset has been prepared again from other text since
+    the run began: its config.json records the content hash of the data it trained on."""
+    try:
+        then = json.loads((Path(out_dir) / "config.json").read_text())["dataset"].get("content_hash")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no record (or an unreadable one)
+        return
+    if then and meta.get("content_hash") and then != meta["content_hash"]:
+        raise ConfigError(f"{out_dir} holds a run trained on dataset {meta.get('name')} as it was before it was "
+                          f"prepared again from other text (its content hash differs); {way_out}")
+
+
 def check_folder(folder, option):
     """Refuse a folder that is a file or lies under one (before anything is computed, not when writing)."""
     folder = Path(folder)
@@ -629,6 +641,9 @@ def start_run(cfg, rank, world_size, device):
         torch.manual_seed(cfg.seed + rank)
         dtype, ctx, scaler = precision(cfg, device, rank == 0)
         ds = open_dataset(cfg)
+        if cfg.resume:
+            check_same_data(cfg.out_dir, ds.meta, "prepare it again from the text the run began on, or start a "
+                                                  "new run (--overwrite, or another --out-dir)")
         build = build_sharded if cfg.fsdp else build_local
         model, iter_num, best_val_loss = build(cfg, ckpt, ds, rank, device, dtype)
         cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})  # GPT-2 weights bring their shape

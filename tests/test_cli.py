@@ -325,6 +325,27 @@ def test_compare_refuses_finished_runs_with_other_settings(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_on_a_dataset_prepared_again_from_other_text_is_neither_reused_nor_resumed(tmp_path):
+    d = tmp_path / "data"
+    lines = [f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(60)]
+
+    def prepare(text):
+        (tmp_path / "t.txt").write_text(text)
+        data.prepare("text", input=tmp_path / "t.txt", tokenizer="char", out_name="re", data_dir=d, force=True,
+                     progress=False)
+
+    args = ["compare", "--residual", "baseline", "--seeds", "1", "--out", tmp_path / "cmp", "--dataset", "re",
+            "--data-dir", d, "--eval-interval", 2, "--max-iters", 2, *TINY]
+    prepare("".join(lines))
+    ok(*args)
+    prepare("".join(reversed(lines)))  # the same characters, another text
+    refused("holds a run trained on dataset re as it was before it was prepared again from other text", *args)
+    refused("prepared again from other text", "train", "--resume", "--out-dir", tmp_path / "cmp" / "baseline-s1",
+            "--max-iters", 4)
+    ok(*args, "--overwrite")
+
+
+@pytest.mark.slow
 def test_compare_never_reports_a_run_resumed_with_other_settings_nor_takes_over_a_users_folder(tiny_data, tmp_path):
     args = ["--residual", "baseline", "--seeds", "1", "--dataset", "tiny", "--data-dir", tiny_data,
             "--eval-interval", 2, *TINY]
