@@ -722,12 +722,24 @@ def precision(cfg, device, master):
     dtype = cfg.dtype
     if dtype == "auto":
         dtype = "float32" if device.type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if dtype != "float32" and device.type == "cpu" and master:
-        print(f"warning: --dtype {dtype} on the CPU runs about 16x slower than float32; it is allowed, but "
-              f"use --dtype float32 (the CPU default) unless you are testing mixed precision", file=sys.stderr)
+    slow = dtype == "float16" or (dtype == "bfloat16" and not cpu_has_bfloat16())
+    if slow and device.type == "cpu" and master:
+        print(f"warning: --dtype {dtype} on this CPU runs many times slower than float32 (it has no fast {dtype} "
+              f"matrix products); it is allowed, but use --dtype float32 (the CPU default) unless you are testing "
+              f"mixed precision", file=sys.stderr)
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
     ctx = contextlib.nullcontext() if dtype == "float32" else torch.autocast(device_type=device.type, dtype=ptdtype)
     return dtype, ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
+
+
+def cpu_has_bfloat16():
+    """Whether this CPU multiplies bfloat16 natively (x86 AVX512-BF16 or AMX, Arm BF16), as Linux reports
+    it; False where it cannot tell."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def build_model(cfg, ckpt, ds):
