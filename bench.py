@@ -298,7 +298,8 @@ def parser(prog=None):
     ap.add_argument("--n-embd", type=int, default=None, help="CPU: the config at another width (a multiple of its heads)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--malloc", default="keep",
-                    help="keep: malloc keeps freed memory for reuse, as CPU training does; default: the C library's behaviour")
+                    help="keep (the default): malloc keeps freed memory for reuse, as CPU training does; or default: the C "
+                         "library's own behaviour")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: GPT-2 small at context 1024 in bf16, eager and "
                     "compiled, with MFU and peak memory")
     ap.add_argument("--batch-size", type=int, default=None, help=f"CUDA: sequences per step (default {CUDA_CONFIGS['d768'][1]})")

@@ -126,7 +126,7 @@ def sample(
 @friendly
 def report(
     ckpt: List[Path] = typer.Option(..., "--ckpt", help="a routed checkpoint; give --ckpt twice to compare two runs"),
-    out: Optional[Path] = typer.Option(None, "--out", help="folder for report.json and the PNGs (default: beside the first checkpoint)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for report.json and the PNGs (default: report/ in the first checkpoint's folder)"),
     batches: int = typer.Option(8, "--batches", help="fixed validation batches to average over"),
     batch_size: int = typer.Option(8, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),

@@ -7,6 +7,7 @@ Use a trained checkpoint: generate text from it, or measure its validation loss.
 Generation uses the KV cache and decodes with the tokenizer the checkpoint records, so it needs no
 dataset; evaluation uses the same fixed validation batches as training.
 """
+import sys
 from pathlib import Path
 
 import torch
@@ -57,12 +58,16 @@ def generate_text(ckpt_path, prompt=None, prompt_file=None, num_samples=3, max_n
     prompt = read_prompt(prompt, prompt_file, "\n" if tok.name == "char" else "<|endoftext|>")
     if top_k is not None and not 1 <= top_k <= tok.vocab_size:
         raise T.ConfigError(f"--top-k must be between 1 and the vocabulary size {tok.vocab_size}, got {top_k}")
-    x = torch.tensor(tok.encode(prompt), dtype=torch.long, device=model.lm_head.weight.device)
-    x = x[None, -model.config.block_size:]  # (1, T): the last block_size tokens of the prompt
+    ids = tok.encode(prompt)
+    block_size = model.config.block_size
+    if len(ids) > block_size:
+        print(f"note: the prompt is {len(ids)} tokens, longer than the model's context of {block_size}; the model "
+              f"sees its last {block_size} (the whole prompt is printed)", file=sys.stderr)
+    x = torch.tensor(ids[-block_size:], dtype=torch.long, device=model.lm_head.weight.device)[None]  # (1, T)
     torch.manual_seed(seed)
     for _ in range(num_samples):
         y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or min(200, tok.vocab_size))
-        yield tok.decode(y[0].tolist())
+        yield tok.decode(ids + y[0, x.size(1):].tolist())  # the whole prompt, then the new tokens
 
 
 def evaluate_checkpoint(ckpt_path, dataset=None, eval_iters=50, batch_size=12, data_dir=None, device="cpu"):

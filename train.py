@@ -742,9 +742,10 @@ def cpu_has_bfloat16():
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def build_model(cfg, ckpt, ds):
+def build_model(cfg, ckpt, ds, master=True):
     """The model to train, with the step to start at and the best val loss so far: from the resume
-    checkpoint, from scratch, from GPT-2 weights, or from a (baseline) checkpoint with zero-init routing."""
+    checkpoint, from scratch, from GPT-2 weights, or from a (baseline) checkpoint with zero-init routing
+    (a routed checkpoint's routing is kept only for the same routing; master says when it is dropped)."""
     meta = ds.meta
     if ckpt is not None:
         wanted = asdict(model_config(cfg, ckpt["model_config"]["vocab_size"]))
@@ -775,12 +776,17 @@ def build_model(cfg, ckpt, ds):
         if diff:
             raise ConfigError(f"--init-from {cfg.init_from} has a different architecture: {'; '.join(diff)}")
         model = model_from_checkpoint(src, **route)
+        was = src["model_config"]
+        if master and was["residual"] != "baseline" and any(was.get(k) != getattr(model.config, k) for k in ROUTE_FIELDS):
+            print(f"note: the {was['residual']} routing of --init-from {cfg.init_from} is dropped: " +
+                  ("a baseline has none" if cfg.residual == "baseline" else
+                   f"other routing settings, so {cfg.residual}'s routing starts at zero init"))
     return model, 0, float("inf")
 
 
 def build_local(cfg, ckpt, ds, rank, device, dtype):
     """build_model on this process's device (one process, or a full copy per DDP rank)."""
-    model, iter_num, best_val_loss = build_model(cfg, ckpt, ds)
+    model, iter_num, best_val_loss = build_model(cfg, ckpt, ds, rank == 0)
     set_recompute(model, cfg.activation_checkpointing)
     return model.to(device), iter_num, best_val_loss
 

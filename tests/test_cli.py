@@ -216,6 +216,14 @@ def test_unknown_mode_and_preset(runs, tmp_path):
             "--out", tmp_path / "x.pt")
 
 
+def test_a_prompt_longer_than_the_context_is_printed_whole_with_a_note(runs):
+    prompt = "alpha beta gamma " * 3  # 51 characters, context 16
+    result = run("sample", "--ckpt", runs / "delta" / "last.pt", "--prompt", prompt, "--num-samples", 1,
+                 "--max-new-tokens", 5)
+    assert result.exit_code == 0 and result.stdout.startswith(prompt)
+    assert "note: the prompt is 51 tokens, longer than the model's context of 16" in result.stderr
+
+
 def test_bad_sample_arguments(runs, tmp_path):
     ckpt = runs / "delta" / "last.pt"
     refused("the prompt is empty", "sample", "--ckpt", ckpt, "--prompt", "")

@@ -346,6 +346,20 @@ def test_init_from_baseline_checkpoint_keeps_the_loss(tiny_data, tmp_path):
                         init_from=str(tmp_path / "base" / "last.pt")))
 
 
+def test_init_from_a_routed_checkpoint_says_when_its_routing_is_dropped(tiny_data, tmp_path, capsys):
+    T.train(cfg_for(tiny_data, tmp_path / "delta", residual="delta", max_iters=2))
+    src = str(tmp_path / "delta" / "last.pt")
+    for residual, said in [("baseline", "a baseline has none"), ("attnres", "attnres's routing starts at zero init"),
+                           ("delta", None)]:
+        capsys.readouterr()
+        T.train(cfg_for(tiny_data, tmp_path / f"from-{residual}", residual=residual, init_from=src, max_iters=0))
+        out = capsys.readouterr().out
+        if said:
+            assert f"note: the delta routing of --init-from {src} is dropped: " in out and said in out
+        else:
+            assert "note:" not in out  # the same routing is kept
+
+
 def test_metrics_and_config_files(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", residual="attnres"))
     rows = T.read_metrics(tmp_path / "run")
