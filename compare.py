@@ -15,7 +15,6 @@ import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import data
 import report as R
 import study as S
 import train as T
@@ -68,11 +67,8 @@ def run_state(cfg, overwrite=False):
         raise T.ConfigError(f"{cfg.out_dir} holds a run resumed with other settings ({'; '.join(midway)}), not one "
                             f"run with the settings asked for; choose another --out, or pass --overwrite to train "
                             f"it again")
-    try:
-        meta = data.load(cfg.dataset, **({"data_dir": cfg.data_dir} if cfg.data_dir else {})).meta
-    except data.DataError:  # not prepared (yet): training says so, or prepares the default dataset
-        meta = {}
-    T.check_same_data(cfg.out_dir, meta, "choose another --out, or pass --overwrite to train it again")
+    T.check_same_data(cfg.out_dir, T.prepared_meta(cfg) or {},  # not prepared (yet): training deals with it
+                      "choose another --out, or pass --overwrite to train it again")
     if step is None:  # started with these settings but stopped before its first checkpoint
         return "restart", 0
     if step >= cfg.max_iters:

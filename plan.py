@@ -68,12 +68,8 @@ EXACT = 1e-6  # the fit's largest relative error at the points measured
 def vocab_size(cfg):
     """The vocabulary train.py would build for cfg: the prepared dataset's (GPT-2's padded to 50,304),
     or GPT-2's padded when the dataset is not prepared here."""
-    import data
-    try:
-        meta = data.load(cfg.dataset, **({"data_dir": cfg.data_dir} if cfg.data_dir else {})).meta
-    except data.DataError:
-        return 50304
-    return 50304 if meta.get("tokenizer") == "gpt2" else int(meta["vocab_size"])
+    meta = train.prepared_meta(cfg)
+    return 50304 if meta is None or meta.get("tokenizer") == "gpt2" else int(meta["vocab_size"])
 
 
 def precision(cfg):

@@ -363,13 +363,19 @@ def checkpoint_dict(model_state, model_config_, config, iter_num, best_val_loss,
                 best_val_loss=best_val_loss, dataset=dataset, **extra)
 
 
+def routing_changed(saved, config):
+    """Whether GPTConfig `config` routes otherwise than the checkpoint's model config `saved`: then the
+    checkpoint's routing weights do not apply and routing starts at zero init."""
+    return any(getattr(config, k) != saved.get(k) for k in ROUTE_FIELDS)
+
+
 def model_from_checkpoint(ckpt, **override):
     """The GPT stored in a checkpoint (nanoGPT's `_orig_mod.` prefixes stripped). `override` may change
     config fields such as residual; when the routing changes, routing weights start at zero init."""
     config = gpt_config(**{**ckpt["model_config"], **override})
     model = GPT(config)
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
-    if any(getattr(config, k) != ckpt["model_config"].get(k) for k in ROUTE_FIELDS):
+    if routing_changed(ckpt["model_config"], config):
         state = {k: v for k, v in state.items() if not is_routing_key(k)}  # new routing starts at zero init
     missing, unexpected = model.load_state_dict(state, strict=False)
     bad = [k for k in missing if not is_routing_key(k)] + list(unexpected)
@@ -483,6 +489,14 @@ def get_batch(arr, block_size, starts, device):
     if device.type == "cuda":  # pin arrays x,y, which allows us to move them to GPU asynchronously
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
+
+
+def prepared_meta(cfg):
+    """The meta.json of cfg's dataset as prepared now, or None when it is not prepared (nothing is prepared)."""
+    try:
+        return data.load(cfg.dataset, **({"data_dir": cfg.data_dir} if cfg.data_dir else {})).meta
+    except data.DataError:
+        return None
 
 
 def open_dataset(cfg):
@@ -777,7 +791,7 @@ def build_model(cfg, ckpt, ds, master=True):
             raise ConfigError(f"--init-from {cfg.init_from} has a different architecture: {'; '.join(diff)}")
         model = model_from_checkpoint(src, **route)
         was = src["model_config"]
-        if master and was["residual"] != "baseline" and any(was.get(k) != getattr(model.config, k) for k in ROUTE_FIELDS):
+        if master and was["residual"] != "baseline" and routing_changed(was, model.config):
             print(f"note: the {was['residual']} routing of --init-from {cfg.init_from} is dropped: " +
                   ("a baseline has none" if cfg.residual == "baseline" else
                    f"other routing settings, so {cfg.residual}'s routing starts at zero init"))
