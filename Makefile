@@ -33,16 +33,17 @@ train: $(STAMP)
 	$(PY) cli.py train --residual delta --preset cpu --out-dir $(RUN) --overwrite $(DATA_ARGS) $(TRAIN_ARGS)
 	$(PY) cli.py sample --ckpt $(RUN)/last.pt --num-samples 2 --max-new-tokens 300
 	$(PY) cli.py report --ckpt $(RUN)/last.pt --force
+	@echo "Next: source .venv/bin/activate   (the README's python commands assume this environment)"
 
 bench: $(STAMP)
-	$(PY) bench.py
+	$(PY) -m workbench.bench
 
 # make gpu-check: on a CUDA machine, with its own python3 and PyTorch (no venv): the CUDA tests, the CUDA
-# benchmark and 500 steps of every mode, in at most 8 minutes; needs data/shakespeare_char prepared (README, GPUs)
+# benchmark and 500 steps of every mode, in at most 8 minutes; needs data/shakespeare_char prepared (docs/gpus.md)
 GPU_PYTHON ?= python3
 GPU_ARGS ?=
 gpu-check:
-	$(GPU_PYTHON) gpu_check.py $(GPU_ARGS)
+	$(GPU_PYTHON) -m workbench.gpu_check $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

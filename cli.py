@@ -17,7 +17,7 @@ from typing import List, Optional
 import typer
 import typer.core
 
-from errors import DeltaGPTError
+from workbench.errors import DeltaGPTError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,8 +54,8 @@ class TrainHelp(typer.core.TyperCommand):
     torch, which would slow every other command's start)."""
 
     def format_epilog(self, ctx, formatter):
-        import train
-        self.epilog = train.options_help()
+        from workbench.options import options_help
+        self.epilog = options_help()
         super().format_epilog(ctx, formatter)
 
 
@@ -93,13 +93,15 @@ def train(ctx: typer.Context):
     Works under torchrun for DDP: torchrun --standalone --nproc_per_node=N cli.py train ...
     """
     import train as T
-    cfg = T.config_from_args(ctx.args)
-    T.apply_process_settings(cfg)
+    from workbench.options import config_from_args, out_dir_of
+    from workbench.system import apply_process_settings
+    cfg = config_from_args(ctx.args)
+    apply_process_settings(cfg)
     summary = T.train(cfg)
     if summary.get("val_loss") is not None and int(os.environ.get("RANK", 0)) == 0:
-        typer.echo(f"done: val loss {summary['val_loss']:.4f} (perplexity {math.exp(summary['val_loss']):.2f}) "
-                   f"after {summary['iter_num']} steps; " + ("evaluated only, nothing written" if cfg.eval_only
-                                                              else f"checkpoints in {T.out_dir_of(cfg)}"))
+        typer.echo(f"done: val loss {summary['val_loss']:.4f} (perplexity {math.exp(summary['val_loss']):.2f}, "
+                   f"the mean of {cfg.eval_iters} fixed batches) after {summary['iter_num']} steps; "
+                   + ("evaluated only, nothing written" if cfg.eval_only else f"checkpoints in {out_dir_of(cfg)}"))
 
 
 @app.command()
@@ -117,7 +119,9 @@ def sample(
 ):
     """Generate text from a checkpoint with the KV cache, decoded with the checkpoint's tokenizer."""
     import sample as S
-    for text in S.generate_text(ckpt, prompt, prompt_file, num_samples, max_new_tokens, temperature, top_k, seed, device):
+    texts = S.generate_text(ckpt, prompt, prompt_file, num_samples, max_new_tokens, temperature, top_k, seed, device)
+    typer.echo(next(texts))  # the header: the checkpoint's step and val loss, the seed
+    for text in texts:
         typer.echo(text)
         typer.echo("---------------")
 
@@ -133,7 +137,7 @@ def report(
     force: bool = typer.Option(False, "--force", help="replace report.json and report.png if --out holds them"),
 ):
     """Routing sharpness on fixed validation batches: a table, report.json and report.png."""
-    import report as R
+    from workbench import report as R
     table, written = R.report_checkpoints(ckpt, out, batches, batch_size, data_dir, force)
     typer.echo(table)
     typer.echo(f"\nwrote {' and '.join(str(p) for p in written)}")
@@ -147,23 +151,17 @@ def convert(
     out: Path = typer.Option(..., "--out", help="where to write the routed checkpoint"),
     n_route_blocks: Optional[int] = typer.Option(None, "--n-route-blocks", help="routing blocks N (default per mode)"),
     route_partial: Optional[bool] = typer.Option(None, "--route-partial/--no-route-partial", help="delta_block: route the current partial block too"),
-    eval_iters: int = typer.Option(20, "--eval-iters", help="fixed validation batches for the before/after loss"),
+    eval_iters: int = typer.Option(20, "--eval-iters", help="fixed validation batches for the before/after loss (as training)"),
     batch_size: int = typer.Option(12, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
     force: bool = typer.Option(False, "--force", help="replace --out if it exists (never the input checkpoint)"),
 ):
     """A routed checkpoint from a baseline one, routing at zero init; prints the val loss before and after."""
-    import train as T
-    before, after, config = T.convert_checkpoint(ckpt, out, residual, n_route_blocks, route_partial, eval_iters,
+    import sample as S
+    before, after, config = S.convert_checkpoint(ckpt, out, residual, n_route_blocks, route_partial, eval_iters,
                                                  batch_size, data_dir, force)
-    typer.echo(f"val loss: baseline {before:.6f}, {residual} {after:.6f} (change {after - before:+.2e})")
-    if residual != "delta_block" or config.route_partial:
-        typer.echo("the sources telescope, so the routed model computes the baseline's function at zero init, "
-                   "up to LayerNorm's eps" + (": replacement routing feeds x/n to LayerNorm, which weighs eps about "
-                   "n^2 more while the stream is small (little training)" if residual == "attnres" else ""))
-    else:
-        typer.echo("plain delta_block is not the baseline's function at zero init: its sources sum to the "
-                   "block-start state, not the stream; --route-partial makes the conversion exact")
+    typer.echo(f"val loss: baseline {before:.6f}, {residual} {after:.6f} (change {after - before:+.2e}; each the "
+               f"mean of {eval_iters} fixed validation batches)")
     typer.echo(f"wrote {out}")
 
 
@@ -171,7 +169,7 @@ class BenchHelp(typer.core.TyperCommand):
     """The bench command, whose --help lists bench.py's own options (one parser for both entry points)."""
 
     def format_epilog(self, ctx, formatter):
-        import bench as B
+        from workbench import bench as B
         self.epilog = "Options (as python bench.py takes them):\n\n\b\n" + B.options_help()
         super().format_epilog(ctx, formatter)
 
@@ -184,7 +182,7 @@ def bench(ctx: typer.Context):
 
     bench [--config cpu|d768|all] [--residual a,b,c] [--device cuda] [--batch-size N] ...
     """
-    import bench as B
+    from workbench import bench as B
     B.main(ctx.args, prog="cli.py bench")
 
 
@@ -208,10 +206,10 @@ def compare(
     unfinished ones resumed when their recorded settings match the ones asked for (otherwise the command
     refuses, naming them), so an interrupted compare continues where it stopped.
     """
-    import compare as C
-    import train as T
+    from workbench import compare as C
+    from workbench.system import apply_process_settings
     plan = C.study_of(study, residual, seeds, ctx.args)
-    T.apply_process_settings(C.process_config(plan))
+    apply_process_settings(C.process_config(plan))
     out = out or Path("runs") / plan.name
     table = C.run_study(plan, out, overwrite, typer.echo, dry_run)
     if table is not None:
@@ -224,7 +222,7 @@ def compare(
 def evaluate(
     ckpt: Path = typer.Option(..., "--ckpt", help="a checkpoint"),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="a prepared dataset with the same tokenizer (default: the checkpoint's)"),
-    eval_iters: int = typer.Option(50, "--eval-iters", help="fixed validation batches"),
+    eval_iters: int = typer.Option(20, "--eval-iters", help="fixed validation batches (as training's evaluation)"),
     batch_size: int = typer.Option(12, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, mps"),
@@ -250,10 +248,15 @@ def plan(
     --activation-checkpointing, --dtype, ...). Activations are the model's own saved tensors, measured
     on the CPU at small sizes and scaled (see plan.py). Nothing is trained and no GPU is needed.
     """
-    import plan as P
-    import train as T
-    preset, overrides = T.parse_args(ctx.args)
-    typer.echo(P.report(T.make_config(preset, **overrides), nproc, gpu_memory, vocab_size))
+    from workbench import plan as P
+    from workbench.options import as_typed, make_config, parse_args
+    from workbench.errors import ConfigError
+    preset, overrides = parse_args(ctx.args)
+    try:
+        cfg = make_config(preset, **overrides)
+    except ConfigError as e:
+        raise ConfigError(as_typed(str(e))) from None
+    typer.echo(P.report(cfg, nproc, gpu_memory, vocab_size))
 
 
 if __name__ == "__main__":

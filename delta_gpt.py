@@ -20,6 +20,8 @@ full. The code follows nanoGPT's model.py, names included.
 Read top-down: LayerNorm, attention, MLP, the Router, the Stream (where the four modes differ), Block,
 GPTConfig, GPT. The file's last section is a fast path for routing (the same numbers, activation memory
 linear in depth, fewer passes), on by default (GPTConfig.fast_routing); a first reading can skip it.
+By default Router.forward and Stream.read are NOT run (the fast path replaces them): to run the code you
+read, train with --no-fast-routing (GPTConfig(fast_routing=False)); tests hold the two paths equal.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -139,7 +141,8 @@ class Router(nn.Module):
     """Attention over depth: a sublayer's weighted read of its sources s_1..s_n (each (B, T, D)),
         alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
     per token, with no 1/sqrt(D) and no temperature. w starts at zero (uniform weights), g at one.
-    Logits and softmax run in float32 (float64 in a float64 model), also under bf16/fp16 autocast."""
+    Logits and softmax run in float32 (float64 in a float64 model), also under bf16/fp16 autocast.
+    forward() runs only on the plain path (--no-fast-routing); by default RouteRead computes the same numbers."""
 
     def __init__(self, n_embd):
         super().__init__()
@@ -171,6 +174,7 @@ class Stream:
     The sources are e and the completed blocks b_1, b_2, ... (each the sum of its sublayers' v's; per
     sublayer, N = S, each v is a block), plus the partial sum of the current block when it is routed and
     non-empty. route_sources="cumulative" swaps each source for the stream's value x at that boundary.
+    read() runs only on the plain path (--no-fast-routing); by default FastStream.read replaces it (same numbers).
     """
 
     def __init__(self, e, config, record=None):

@@ -145,6 +145,27 @@ def load(name: str, *, data_dir=DEFAULT_DATA_DIR, block_size=None) -> Dataset:
     return Dataset(name=name, path=path, meta=meta, train=train, val=val)
 
 
+
+def load_or_prepare(name: str, *, data_dir=None, block_size=None) -> Dataset:
+    """load(), preparing the default dataset (shakespeare_char, shipped with the code) on its first use."""
+    data_dir = data_dir or DEFAULT_DATA_DIR
+    try:
+        return load(name, data_dir=data_dir, block_size=block_size)
+    except DataError:
+        if name != "shakespeare_char" or (Path(data_dir) / name).exists():
+            raise
+    print(f"preparing {name} (first use)")
+    prepare(name, data_dir=data_dir)
+    return load(name, data_dir=data_dir, block_size=block_size)
+
+
+def prepared_meta(name: str, data_dir=None):
+    """The meta.json of a dataset as prepared now, or None when it is not prepared (nothing is prepared)."""
+    try:
+        return load(name, data_dir=data_dir or DEFAULT_DATA_DIR).meta
+    except DataError:
+        return None
+
 # ----------------------------------------------------------------------------------------------
 # writing: atomic folders
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from errors import DeltaGPTError
+from workbench.errors import DeltaGPTError
 
 
 class DataError(DeltaGPTError):

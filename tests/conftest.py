@@ -9,14 +9,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import data  # noqa: E402
-import train  # noqa: E402
+from workbench import system  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def idle_machine(monkeypatch):
     """Every test sees an idle machine: other jobs' load on the machine running the tests must not change
     what a command prints (train's "cores are busy" note) or how many threads it takes."""
-    monkeypatch.setattr(train, "busy_cores", lambda seconds=0.25: 0)
+    monkeypatch.setattr(system, "busy_cores", lambda seconds=0.25: 0)
 
 
 @pytest.fixture(scope="session")

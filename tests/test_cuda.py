@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 import train
 from delta_gpt import GPT, GPTConfig, RESIDUALS
+from workbench import checkpoint as CK, options as O
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -119,7 +120,7 @@ def tiny_run(tiny_data, tmp_path, name, **kw):
                    compile=False, n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=4, max_iters=2,
                    warmup_iters=0, eval_interval=1000, eval_iters=1, log_interval=1, ckpt_interval=1000,
                    progress=False), **kw)
-    return train.make_config("cpu", **kw)
+    return O.make_config("cpu", **kw)
 
 
 class InfGradientAt:
@@ -153,7 +154,7 @@ def test_fp16_grad_scaler_skips_an_inf_step_and_goes_on(tiny_data, tmp_path):
     assert len(w) == 6  # one training forward per step (no accumulation)
     same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)
     assert not same(w[1], w[2]) and same(w[2], w[3]) and not same(w[3], w[4])  # step 3 skipped, 2 and 4 applied
-    ckpt = train.load_checkpoint(Path(cfg.out_dir) / "last.pt")
+    ckpt = CK.load_checkpoint(Path(cfg.out_dir) / "last.pt")
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert ckpt["scaler"]["scale"] == torch.amp.GradScaler("cuda").state_dict()["scale"] / 2  # halved once
 
@@ -250,10 +251,10 @@ def test_checkpoints_move_between_cuda_and_cpu(tiny_data, tmp_path):
     cfg = tiny_run(tiny_data, tmp_path, "run", residual="delta", max_iters=2)
     train.train(cfg)
     path = Path(cfg.out_dir) / "last.pt"
-    on_cpu = train.load_checkpoint(path, map_location="cpu")
+    on_cpu = CK.load_checkpoint(path, map_location="cpu")
     assert all(v.device.type == "cpu" for v in on_cpu["model"].values())
-    cpu_model = train.model_from_checkpoint(on_cpu).eval()
-    cuda_model = train.model_from_checkpoint(train.load_checkpoint(path, map_location="cuda")).to(CUDA).eval()
+    cpu_model = CK.model_from_checkpoint(on_cpu).eval()
+    cuda_model = CK.model_from_checkpoint(CK.load_checkpoint(path, map_location="cuda")).to(CUDA).eval()
     idx = torch.randint(0, cpu_model.config.vocab_size, (2, 32), device=CUDA)
     with torch.no_grad():
         torch.testing.assert_close(cpu_model(idx.cpu())[0], cuda_model(idx)[0].cpu(), atol=1e-4, rtol=1e-4)
@@ -262,7 +263,7 @@ def test_checkpoints_move_between_cuda_and_cpu(tiny_data, tmp_path):
         summary = train.train(tiny_run(tiny_data, tmp_path, "run", residual="delta", device=device, max_iters=steps,
                                      resume=True))
         assert summary["iter_num"] == steps and math.isfinite(summary["val_loss"])
-    resumed = train.load_checkpoint(path, map_location="cpu")
+    resumed = CK.load_checkpoint(path, map_location="cpu")
     assert resumed["iter_num"] == 6 and resumed["config"]["device"] == "cuda"
 
 
@@ -277,7 +278,7 @@ DDP_SCRIPT = textwrap.dedent("""
     from delta_gpt import GPT, GPTConfig, RESIDUALS
 
     # train.train under torchrun's variables: NCCL process group of one
-    cfg = train.make_config("cpu", dataset="tiny", data_dir=sys.argv[2], out_dir=sys.argv[3], device="cuda",
+    cfg = O.make_config("cpu", dataset="tiny", data_dir=sys.argv[2], out_dir=sys.argv[3], device="cuda",
                             compile=False, n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=4, max_iters=2,
                             eval_interval=1000, eval_iters=1, residual="delta", progress=False)
     summary = train.train(cfg)

@@ -11,6 +11,8 @@ import sample as S
 import train as T
 from conftest import ROOT
 from test_train import cfg_for, cli_args, train_losses
+from workbench import checkpoint as CK, options as O
+from workbench.errors import ConfigError
 
 STEPS = dict(max_iters=6, lr_decay_iters=6, eval_interval=3, ckpt_interval=3, gradient_accumulation_steps=2)
 
@@ -38,7 +40,7 @@ def test_fsdp_on_two_processes_trains_like_one(tiny_data, tmp_path, residual):
     sharded, one = train_losses(tmp_path / "fsdp"), train_losses(tmp_path / "one")
     assert [s for s, _ in sharded] == [s for s, _ in one] == list(range(1, 7))
     torch.testing.assert_close([l for _, l in sharded], [l for _, l in one], rtol=1e-6, atol=1e-6)
-    ckpt = T.load_checkpoint(tmp_path / "fsdp" / "last.pt")  # today's format: plain tensors, int-keyed optimizer
+    ckpt = CK.load_checkpoint(tmp_path / "fsdp" / "last.pt")  # today's format: plain tensors, int-keyed optimizer
     assert ckpt["iter_num"] == 6 and sorted(ckpt["optimizer"]["state"]) == list(range(len(ckpt["optimizer"]["state"])))
     _, loss, _ = S.evaluate_checkpoint(tmp_path / "fsdp" / "last.pt", eval_iters=2, batch_size=4)
     _, loss_one, _ = S.evaluate_checkpoint(tmp_path / "one" / "last.pt", eval_iters=2, batch_size=4)
@@ -56,7 +58,7 @@ def test_fsdp_resume_is_exact_and_crosses_to_and_from_one_process(tiny_data, tmp
     T.train(cfg_for(tiny_data, tmp_path / "b", residual="delta", **{**STEPS, "max_iters": 3}))
     ok(torchrun(tiny_data, tmp_path / "b", resume=True))
     ok(torchrun(tiny_data, tmp_path / "c", residual="delta", max_iters=3))
-    T.train(T.resume_config(out_dir=str(tmp_path / "c"), max_iters=6, fsdp=False))
+    T.train(O.resume_config(out_dir=str(tmp_path / "c"), max_iters=6, fsdp=False))
     for run in ("a", "b", "c"):
         torch.testing.assert_close(train_losses(tmp_path / run), full, rtol=1e-6, atol=1e-6)
 
@@ -86,7 +88,7 @@ def test_a_rank_killed_while_writing_leaves_the_previous_checkpoint(tiny_data, t
     r = torchrun(tiny_data, tmp_path / "run", residual="delta",
                  extra_env={"KILL_AT_SAVE": "4", "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"})
     assert r.returncode != 0
-    assert T.load_checkpoint(tmp_path / "run" / "last.pt")["iter_num"] == 3  # whole, and the step before
+    assert CK.load_checkpoint(tmp_path / "run" / "last.pt")["iter_num"] == 3  # whole, and the step before
     ok(torchrun(tiny_data, tmp_path / "run", resume=True))
     T.train(cfg_for(tiny_data, tmp_path / "full", residual="delta", **STEPS))
     torch.testing.assert_close(train_losses(tmp_path / "run"), train_losses(tmp_path / "full"), rtol=1e-6, atol=1e-6)
@@ -101,7 +103,7 @@ def test_fsdp_in_one_process_equals_the_plain_run(tiny_data, tmp_path):
 
 
 def test_fsdp_refuses_float16(tiny_data, tmp_path):
-    with pytest.raises(T.ConfigError, match="--fsdp .* use --dtype bfloat16"):
+    with pytest.raises(ConfigError, match="--fsdp .* use --dtype bfloat16"):
         cfg_for(tiny_data, tmp_path / "run", fsdp=True, dtype="float16")
 
 
@@ -109,5 +111,5 @@ def test_fsdp_without_fsdp2_in_torch_says_what_to_do(tiny_data, tmp_path, monkey
     """On a PyTorch without FSDP2 (older than 2.6, which also cannot compile it), --fsdp is one line."""
     import torch.distributed.fsdp
     monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")
-    with pytest.raises(T.ConfigError, match="--fsdp needs PyTorch's FSDP2 .* upgrade torch or train with DDP"):
+    with pytest.raises(ConfigError, match="--fsdp needs PyTorch's FSDP2 .* upgrade torch or train with DDP"):
         cfg_for(tiny_data, tmp_path / "run", fsdp=True, compile=True)

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import bench
+from workbench import bench
 import data
-import gpu_check as G
+from workbench import gpu_check as G
 from conftest import ROOT
 from test_cli import refused
 
@@ -20,7 +20,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refus
 @pytest.mark.slow
 @no_cuda
 def test_gpu_check_without_cuda_says_so_in_one_line():
-    out = subprocess.run([sys.executable, "gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "workbench.gpu_check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no CUDA GPU") and "CUDA build of PyTorch" in lines[0], out.stderr
@@ -48,7 +48,7 @@ def test_gpu_check_takes_no_folder_it_did_not_make(tmp_path):
 @pytest.mark.slow
 def test_gpu_check_refuses_a_users_folder_in_one_line(tmp_path):
     (tmp_path / "delta").mkdir()
-    out = subprocess.run([sys.executable, "gpu_check.py", "--runs", tmp_path], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "workbench.gpu_check", "--runs", tmp_path], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.strip().startswith(f"error: --runs {tmp_path} holds files"), out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["delta"]
@@ -56,7 +56,7 @@ def test_gpu_check_refuses_a_users_folder_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_bad_parts():
-    out = subprocess.run([sys.executable, "gpu_check.py", "--parts", "tests,fly"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "workbench.gpu_check", "--parts", "tests,fly"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.strip() == "error: unknown --parts fly; choose from tests, bench, train"
 
@@ -77,7 +77,7 @@ def test_prerequisites_name_what_is_missing(tmp_path, tiny_data, monkeypatch):
     monkeypatch.setattr(G.importlib.util, "find_spec", lambda name: None if name == "typer" else object())
     assert any("the Python package typer is missing" in l for l in G.problems(tmp_path))
     monkeypatch.setattr(G.importlib.util, "find_spec", lambda name: None)
-    assert G.problems(tmp_path) == ["PyTorch is not installed: install a CUDA build of PyTorch (README, GPUs)"]
+    assert G.problems(tmp_path) == ["PyTorch is not installed: install a CUDA build of PyTorch (docs/gpus.md)"]
 
 
 def test_table_and_targets_on_made_up_rows(tmp_path):
@@ -156,7 +156,7 @@ def test_bench_cuda_options_refused_without_cuda():
     refused("apply to --device cuda only", "bench", "--batch-size", "8")
     refused("apply to --device cuda only", "bench", "--variants", "eager")
     refused("unknown --device 'gpu'", "bench", "--device", "gpu")
-    out = subprocess.run([sys.executable, "bench.py", "--device", "cuda"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "workbench.bench", "--device", "cuda"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and out.stderr.strip().startswith("error: --device cuda needs a CUDA GPU")
 

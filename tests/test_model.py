@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 import train
 from delta_gpt import GPT, GPTConfig, RESIDUALS, LayerNorm, Router, RouteRead, Score, folded_queries, is_routing_key
+from workbench import checkpoint as CK
 
 VOCAB = 61
 ROUTED = [m for m in RESIDUALS if m != "baseline"]
@@ -598,9 +599,9 @@ def test_checkpoints_of_the_previous_format_still_load(name, fast):
     """tests/data/old-format-*.pt were written by `cli.py train` before GPTConfig had fast_routing (attnres's
     with its final router), with the logits they gave then on a fixed input: they load, on either path, and
     give the same logits."""
-    ckpt = train.load_checkpoint(DATA / f"old-format-{name}.pt")
+    ckpt = CK.load_checkpoint(DATA / f"old-format-{name}.pt")
     assert "fast_routing" not in ckpt["model_config"]
-    model = train.model_from_checkpoint(ckpt).eval()
+    model = CK.model_from_checkpoint(ckpt).eval()
     model.config.fast_routing = fast
     expected = torch.load(DATA / "old-format-logits.pt", weights_only=True)[name]
     with torch.no_grad():

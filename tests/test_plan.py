@@ -5,11 +5,12 @@ import re
 import pytest
 import torch
 
-import bench
-import plan as P
+from workbench import bench
+from workbench import plan as P
 import train as T
 from delta_gpt import GPT
 from test_cli import ok, refused
+from workbench import options as O
 
 VOCAB = 65
 TINY = ["--preset", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16",
@@ -17,14 +18,14 @@ TINY = ["--preset", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", 
 
 
 def small(**kw):
-    return T.make_config("cpu", **{**dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4,
+    return O.make_config("cpu", **{**dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4,
                                           gradient_accumulation_steps=4, dtype="float32"), **kw})
 
 
 def measured(cfg, seed=1):
     """bench.saved_bytes of the real model of cfg for one micro-step, as train.py runs it (DDP precision)."""
     torch.manual_seed(seed)
-    model = GPT(T.model_config(cfg, VOCAB))
+    model = GPT(O.model_config(cfg, VOCAB))
     for block in model.transformer.h:
         block.recompute = cfg.activation_checkpointing
     idx = torch.randint(0, VOCAB, (cfg.batch_size, cfg.block_size))
@@ -59,7 +60,7 @@ def test_activations_grow_linearly_in_batch_and_context():
 def test_parameter_count_is_the_models(residual, bias):
     cfg = small(residual=residual, bias=bias, n_layer=4)
     n, block = P.parameters(cfg, VOCAB)
-    model = GPT(T.model_config(cfg, VOCAB))
+    model = GPT(O.model_config(cfg, VOCAB))
     assert n == model.get_num_params(non_embedding=False) == sum(p.numel() for p in model.parameters())
     assert block == sum(p.numel() for p in model.transformer.h[0].parameters())
     if residual == "baseline" and not bias:  # 12 D^2 in the Linears, two LayerNorm weights

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import report
+from workbench import report
 from delta_gpt import GPT, GPTConfig, RESIDUALS
 
 ROUTED = [m for m in RESIDUALS if m != "baseline"]
@@ -74,9 +74,9 @@ def test_table_has_a_legend_for_every_column():
         assert re.search(rf"(^|; ){re.escape(term)} ", legend, flags=re.M), term
 
 
-def test_readme_shows_the_legend_report_prints():
-    readme = (Path(report.__file__).parent / "README.md").read_text()
-    assert report.TABLE_LEGEND in readme
+def test_results_page_shows_the_legend_report_prints():
+    results = (Path(report.__file__).parent.parent / "docs" / "results.md").read_text()
+    assert report.TABLE_LEGEND in results
 
 
 def test_draw_routing_writes_one_and_two_report_pictures(tmp_path):
@@ -96,5 +96,5 @@ def test_draw_curves_writes_a_picture_with_a_title(tmp_path):
 
 @pytest.mark.slow
 def test_importing_report_does_not_import_matplotlib():
-    code = "import sys, report; assert 'matplotlib' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=report.__file__.rsplit("/", 1)[0])
+    code = "import sys, train; from workbench import report; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(report.__file__).parent.parent)

@@ -2,12 +2,14 @@
 against a hand computation, a tiny study end to end, and the resume of an interrupted one."""
 import json
 import math
+import signal
 
 import pytest
-import report as R
-import study as S
+
 import train as T
 from test_cli import ok, refused, run
+from workbench import checkpoint as CK, report as R, rundir as RD, study as S
+
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, max_iters=4, warmup_iters=2,
             eval_interval=2, eval_iters=2, log_interval=1, ckpt_interval=2, progress=False, dataset="tiny")
 
@@ -203,7 +205,7 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
         run_dir = out / f"learning_rate={lr}" / f"{variant}-s{seed}"
         config = json.loads((run_dir / "config.json").read_text())["config"]
         assert (config["residual"], config["learning_rate"], config["seed"]) == (variant, lr, seed)
-        evals = [m for m in T.read_metrics(run_dir) if m["kind"] == "eval"]
+        evals = [m for m in RD.read_metrics(run_dir) if m["kind"] == "eval"]
         assert r["val_loss"] == evals[-1]["val_loss"] and r["steps"] == 4
         assert (r["max_weight"] is None) == (variant == "baseline")
     for lr in (1e-3, 3e-3):
@@ -223,26 +225,41 @@ def test_interrupted_study_resumes_where_it_stopped(tiny_data, tmp_path, monkeyp
     path = study_file(tmp_path / "blocks.toml", tiny_data, seeds=[1], sweep={"n_route_blocks": [1, 2]},
                       variants={"baseline": {"residual": "baseline"}, "db": {"residual": "delta_block"}})
     out = tmp_path / "out"
-    step = T.train_step
+    train = T.train
 
-    def signal_at_step_2(run, stop):  # as Ctrl-C would: the run writes last.pt at step 2 and stops
-        if run.cfg.out_dir.endswith("n_route_blocks=1/db-s1") and run.iter_num == 2:
-            return None
-        return step(run, stop)
+    class SignalAtStep2:  # as Ctrl-C would: the loop reads the flag once a step, and sees the signal at step 2
+        reads = 0
 
-    monkeypatch.setattr(T, "train_step", signal_at_step_2)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        @property
+        def signal(self):
+            self.reads += 1
+            return signal.SIGINT if self.reads > 2 else None
+
+    def interrupted_run(cfg):
+        with monkeypatch.context() as m:
+            if cfg.out_dir.endswith("n_route_blocks=1/db-s1"):
+                m.setattr(T, "StopFlag", SignalAtStep2)
+            return train(cfg)
+
+    monkeypatch.setattr(T, "train", interrupted_run)
     assert run("compare", "--study", path, "--out", out).exit_code == 130
-    monkeypatch.setattr(T, "train_step", step)
+    monkeypatch.setattr(T, "train", train)
     interrupted = out / "n_route_blocks=1" / "db-s1" / "last.pt"
-    assert T.load_checkpoint(interrupted)["iter_num"] == 2 and not (out / "n_route_blocks=2").exists()
+    assert CK.load_checkpoint(interrupted)["iter_num"] == 2 and not (out / "n_route_blocks=2").exists()
     finished = (out / "baseline-s1" / "last.pt").stat().st_mtime_ns
-    trained, train = [], T.train
+    trained = []
     monkeypatch.setattr(T, "train", lambda cfg: trained.append((cfg.out_dir, cfg.resume)) or train(cfg))
     again = ok("compare", "--study", path, "--out", out)
     assert "3 runs (2 n_route_blocks values x 1 variant x 1 seed, baseline once per seed), 1 finished, " \
            "2 to train (1 resumed)" in again
     assert trained == [(str(out / "n_route_blocks=1" / "db-s1"), True), (str(out / "n_route_blocks=2" / "db-s1"), False)]
     assert (out / "baseline-s1" / "last.pt").stat().st_mtime_ns == finished and "reusing the finished run" in again
-    assert T.load_checkpoint(interrupted)["iter_num"] == 4
+    assert CK.load_checkpoint(interrupted)["iter_num"] == 4
     rows = json.loads((out / "compare.json").read_text())["rows"]
     assert [(r["sweep"], r["variant"]) for r in rows] == [(1, "baseline"), (1, "db"), (2, "baseline"), (2, "db")]

@@ -1,10 +1,12 @@
 """train.py: exact resume, DDP and gradient-accumulation equivalence, nothing lost, every bad input refused."""
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -14,14 +16,15 @@ import data
 import train as T
 from conftest import ROOT
 from delta_gpt import GPT, GPTConfig, RESIDUALS
-from errors import DeltaGPTError
+from workbench import checkpoint as CK, options as O, rundir as RD, system as SY
+from workbench.errors import ConfigError, DeltaGPTError, TrainError
 
 
 def cfg_for(tiny_data, out_dir, **kw):
     base = dict(dataset="tiny", data_dir=str(tiny_data), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32,
                 block_size=16, batch_size=4, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
                 eval_iters=2, log_interval=1, ckpt_interval=4, progress=False)
-    return T.make_config("cpu", **{**base, **kw})
+    return O.make_config("cpu", **{**base, **kw})
 
 
 def cli_args(tiny_data, out_dir, **kw):
@@ -36,11 +39,11 @@ def cli_args(tiny_data, out_dir, **kw):
 
 
 def params(path):
-    return T.load_checkpoint(path)["model"]
+    return CK.load_checkpoint(path)["model"]
 
 
 def train_losses(out_dir):
-    return [(r["step"], r["train_loss"]) for r in T.read_metrics(out_dir) if r["kind"] == "train"]
+    return [(r["step"], r["train_loss"]) for r in RD.read_metrics(out_dir) if r["kind"] == "train"]
 
 
 # ---------------------------------------------------------------- equivalences
@@ -51,14 +54,14 @@ def test_resume_is_bit_exact(tiny_data, tmp_path, residual):
     T.train(full)
     half = cfg_for(tiny_data, tmp_path / "half", residual=residual, dropout=0.1, max_iters=4)
     T.train(half)
-    resumed = T.resume_config(out_dir=str(tmp_path / "half"), max_iters=8)
+    resumed = O.resume_config(out_dir=str(tmp_path / "half"), max_iters=8)
     assert resumed.lr_decay_iters == 8 and resumed.dropout == 0.1 and resumed.residual == residual
     T.train(resumed)
     assert train_losses(tmp_path / "half") == train_losses(tmp_path / "full")
     a, b = params(tmp_path / "full" / "last.pt"), params(tmp_path / "half" / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert T.load_checkpoint(tmp_path / "half" / "last.pt")["iter_num"] == 8
-    rows = T.read_metrics(tmp_path / "half")
+    assert CK.load_checkpoint(tmp_path / "half" / "last.pt")["iter_num"] == 8
+    rows = RD.read_metrics(tmp_path / "half")
     assert any(r["kind"] == "resume" and r["changed"]["max_iters"] == [4, 8] for r in rows)
 
 
@@ -107,10 +110,10 @@ def test_tiny_model_overfits_one_batch(residual):
 
 FAULTS_PER_STEP = """
 import resource, statistics, sys, torch
-import train
+from workbench import system as SY
 from delta_gpt import GPT, GPTConfig
 if sys.argv[1] == "keep":
-    assert train.keep_freed_memory()
+    assert SY.keep_freed_memory()
 torch.manual_seed(0)
 model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=64, vocab_size=65, residual="delta"))
 opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
@@ -144,15 +147,15 @@ def test_keep_freed_memory_stops_the_page_faults_of_each_step():
 
 
 def test_keep_freed_memory_without_mallopt_is_a_no_op(monkeypatch):
-    monkeypatch.setattr(T.ctypes, "CDLL", lambda name: object())  # a C library without mallopt (macOS, musl builds)
-    assert T.keep_freed_memory() is False
+    monkeypatch.setattr(SY.ctypes, "CDLL", lambda name: object())  # a C library without mallopt (macOS, musl builds)
+    assert SY.keep_freed_memory() is False
 
 
 # ---------------------------------------------------------------- nothing lost
 
 def test_checkpoint_write_crash_keeps_previous(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
-    T.save_checkpoint({"model": {"w": torch.ones(3)}, "model_config": {}, "config": {}}, path)
+    CK.save_checkpoint({"model": {"w": torch.ones(3)}, "model_config": {}, "config": {}}, path)
     before = path.read_bytes()
 
     def crash(obj, f, *a, **k):
@@ -161,7 +164,7 @@ def test_checkpoint_write_crash_keeps_previous(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError):
-        T.save_checkpoint({"model": {"w": torch.zeros(3)}, "model_config": {}, "config": {}}, path)
+        CK.save_checkpoint({"model": {"w": torch.zeros(3)}, "model_config": {}, "config": {}}, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary file left
 
@@ -179,10 +182,10 @@ def test_sigint_writes_a_loadable_checkpoint_and_resumes(tiny_data, tmp_path):
     stdout, stderr = p.communicate(timeout=60)
     assert p.returncode == 130, stderr
     assert "Traceback" not in stderr and "stopped by signal at step" in stdout
-    ckpt = T.load_checkpoint(out / "last.pt")
+    ckpt = CK.load_checkpoint(out / "last.pt")
     assert ckpt["iter_num"] >= 5
-    T.train(T.resume_config(out_dir=str(out), max_iters=ckpt["iter_num"] + 2))
-    assert T.load_checkpoint(out / "last.pt")["iter_num"] == ckpt["iter_num"] + 2
+    T.train(O.resume_config(out_dir=str(out), max_iters=ckpt["iter_num"] + 2))
+    assert CK.load_checkpoint(out / "last.pt")["iter_num"] == ckpt["iter_num"] + 2
 
 
 def poison_training_step(monkeypatch, n, poison):
@@ -204,9 +207,9 @@ def poison_training_step(monkeypatch, n, poison):
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
     cfg = cfg_for(tiny_data, tmp_path / "run", ckpt_interval=2)
     poison_training_step(monkeypatch, 4, lambda loss: loss * float("nan"))
-    with pytest.raises(T.TrainError, match="loss is nan at step 3"):
+    with pytest.raises(TrainError, match="loss is nan at step 3"):
         T.train(cfg)
-    assert T.load_checkpoint(tmp_path / "run" / "last.pt")["iter_num"] == 2
+    assert CK.load_checkpoint(tmp_path / "run" / "last.pt")["iter_num"] == 2
 
 
 def test_fresh_run_refuses_to_overwrite_a_run(tiny_data, tmp_path):
@@ -220,9 +223,9 @@ def test_fresh_run_refuses_to_overwrite_a_run(tiny_data, tmp_path):
 
 def test_resume_with_other_architecture_names_the_fields(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
-    with pytest.raises(T.ConfigError, match="another architecture: --n-layer 3 \\(the run has 2\\); "
+    with pytest.raises(ConfigError, match="another architecture: --n-layer 3 \\(the run has 2\\); "
                                             "--residual delta \\(the run has baseline\\); leave these out") as info:
-        T.resume_config(out_dir=str(tmp_path / "run"), n_layer=3, residual="delta")
+        O.resume_config(out_dir=str(tmp_path / "run"), n_layer=3, residual="delta")
     assert "route_partial" not in str(info.value)  # only the settings the user gave, no internal defaults
 
 
@@ -231,24 +234,24 @@ def test_resume_checks_options_against_the_run_not_the_preset(tiny_data, tmp_pat
     make n_route_blocks=4 wrong for delta), another head count is named against the run's, and routing
     options on a baseline run name the run's 'none'."""
     T.train(cfg_for(tiny_data, tmp_path / "delta", residual="delta", max_iters=2))
-    cfg = T.resume_config(out_dir=str(tmp_path / "delta"), residual="delta", n_route_blocks=4, route_partial=True,
+    cfg = O.resume_config(out_dir=str(tmp_path / "delta"), residual="delta", n_route_blocks=4, route_partial=True,
                           max_iters=3)
     assert cfg.n_embd == 32 and cfg.max_iters == 3
-    with pytest.raises(T.ConfigError, match=r"another architecture: --n-head 3 \(the run has 2\)"):
-        T.resume_config(out_dir=str(tmp_path / "delta"), n_head=3)
+    with pytest.raises(ConfigError, match=r"another architecture: --n-head 3 \(the run has 2\)"):
+        O.resume_config(out_dir=str(tmp_path / "delta"), n_head=3)
     T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=2))
-    with pytest.raises(T.ConfigError, match=r"--route-partial True \(the run has none\)"):
-        T.resume_config(out_dir=str(tmp_path / "base"), route_partial=True)
+    with pytest.raises(ConfigError, match=r"--route-partial True \(the run has none\)"):
+        O.resume_config(out_dir=str(tmp_path / "base"), route_partial=True)
 
 
 def test_missing_dataset_names_the_prepare_command(tmp_path):
-    cfg = T.make_config("cpu", dataset="nosuch", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), progress=False)
+    cfg = O.make_config("cpu", dataset="nosuch", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), progress=False)
     with pytest.raises(data.DataError, match="python cli.py prepare"):
         T.train(cfg)
 
 
 def test_default_dataset_is_prepared_when_missing(tmp_path):
-    cfg = T.make_config("cpu", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), max_iters=1, eval_iters=1,
+    cfg = O.make_config("cpu", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), max_iters=1, eval_iters=1,
                         n_layer=1, n_embd=32, progress=False)
     T.train(cfg)
     assert (tmp_path / "shakespeare_char" / "meta.json").exists()
@@ -262,8 +265,8 @@ def test_checkpoints_load_with_weights_only(tiny_data, tmp_path):
     assert (tmp_path / "run" / "best.pt").exists()
     # a pickled object is refused by weights_only loading, with one clear message
     torch.save({"model": {}, "model_config": {}, "config": {}, "evil": Path("x")}, tmp_path / "pickled.pt")
-    with pytest.raises(T.TrainError, match="unreadable"):
-        T.load_checkpoint(tmp_path / "pickled.pt")
+    with pytest.raises(TrainError, match="unreadable"):
+        CK.load_checkpoint(tmp_path / "pickled.pt")
 
 
 def test_corrupt_or_truncated_checkpoint_is_a_clear_error(tiny_data, tmp_path):
@@ -271,16 +274,16 @@ def test_corrupt_or_truncated_checkpoint_is_a_clear_error(tiny_data, tmp_path):
     path = tmp_path / "run" / "last.pt"
     blob = path.read_bytes()
     path.write_bytes(blob[: len(blob) // 2])
-    with pytest.raises(T.TrainError, match=f"checkpoint {path} is unreadable"):
-        T.load_checkpoint(path)
+    with pytest.raises(TrainError, match=f"checkpoint {path} is unreadable"):
+        CK.load_checkpoint(path)
     path.write_bytes(b"not a checkpoint at all")
-    with pytest.raises(T.TrainError, match="unreadable"):
-        T.load_checkpoint(path)
-    with pytest.raises(T.TrainError, match="does not exist"):
-        T.load_checkpoint(tmp_path / "nope.pt")
+    with pytest.raises(TrainError, match="unreadable"):
+        CK.load_checkpoint(path)
+    with pytest.raises(TrainError, match="does not exist"):
+        CK.load_checkpoint(tmp_path / "nope.pt")
     torch.save({"weights": torch.ones(1)}, path)
-    with pytest.raises(T.TrainError, match="not a delta-gpt checkpoint"):
-        T.load_checkpoint(path)
+    with pytest.raises(TrainError, match="not a delta-gpt checkpoint"):
+        CK.load_checkpoint(path)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -294,11 +297,11 @@ def test_corrupt_or_truncated_checkpoint_is_a_clear_error(tiny_data, tmp_path):
 ])
 def test_parse_args_refuses_bad_options(argv, message):
     with pytest.raises(ValueError, match=message.replace("?", "\\?").replace("(", "\\(")):
-        T.parse_args(argv)
+        O.parse_args(argv)
 
 
 def test_parse_args_forms():
-    preset, o = T.parse_args(["--preset", "cpu", "--max_iters=5", "--no-compile", "--bias", "--n-route-blocks", "none",
+    preset, o = O.parse_args(["--preset", "cpu", "--max_iters=5", "--no-compile", "--bias", "--n-route-blocks", "none",
                               "--learning-rate", "3e-4"])
     assert preset == "cpu" and o == dict(max_iters=5, compile=False, bias=True, n_route_blocks=None, learning_rate=3e-4)
 
@@ -314,12 +317,12 @@ def test_parse_args_forms():
 ])
 def test_bad_config_values(kw, message):
     with pytest.raises(ValueError, match=message):
-        T.make_config("cpu", **kw)
+        O.make_config("cpu", **kw)
 
 
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of cpu, shakespeare_char, gpt2_124m, paper_220m"):
-        T.make_config("huge")
+        O.make_config("huge")
 
 
 @pytest.mark.slow  # a subprocess
@@ -334,11 +337,11 @@ def test_bad_option_on_the_command_line_is_one_line(tmp_path):
 
 def test_init_from_baseline_checkpoint_keeps_the_loss(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=8))
-    base_val = [r for r in T.read_metrics(tmp_path / "base") if r["kind"] == "eval"][-1]["val_loss"]
+    base_val = [r for r in RD.read_metrics(tmp_path / "base") if r["kind"] == "eval"][-1]["val_loss"]
     cfg = cfg_for(tiny_data, tmp_path / "delta", residual="delta", init_from=str(tmp_path / "base" / "last.pt"),
                   max_iters=0)
     T.train(cfg)
-    first = [r for r in T.read_metrics(tmp_path / "delta") if r["kind"] == "eval"][0]
+    first = [r for r in RD.read_metrics(tmp_path / "delta") if r["kind"] == "eval"][0]
     # equal up to LN eps, which still weighs at this tiny width after 8 steps (docs/method.md, section 5)
     assert first["step"] == 0 and abs(first["val_loss"] - base_val) < 1e-3
     with pytest.raises(ValueError, match="different architecture: n_embd"):
@@ -362,7 +365,7 @@ def test_init_from_a_routed_checkpoint_says_when_its_routing_is_dropped(tiny_dat
 
 def test_metrics_and_config_files(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", residual="attnres"))
-    rows = T.read_metrics(tmp_path / "run")
+    rows = RD.read_metrics(tmp_path / "run")
     train_rows = [r for r in rows if r["kind"] == "train"]
     eval_rows = [r for r in rows if r["kind"] == "eval"]
     assert [r["step"] for r in train_rows] == list(range(1, 9))
@@ -375,11 +378,11 @@ def test_metrics_and_config_files(tiny_data, tmp_path):
 
 
 def test_every_option_has_help_text():
-    assert all(f.metadata["help"].strip() for f in T.fields(T.TrainConfig))
+    assert all(f.metadata["help"].strip() for f in fields(T.TrainConfig))
 
 
 def test_lr_schedule():
-    cfg = T.make_config("cpu", max_iters=100, warmup_iters=10, learning_rate=1.0, min_lr=0.1)
+    cfg = O.make_config("cpu", max_iters=100, warmup_iters=10, learning_rate=1.0, min_lr=0.1)
     assert T.get_lr(0, cfg) == pytest.approx(1 / 11)
     assert T.get_lr(10, cfg) == pytest.approx(1.0)
     assert T.get_lr(100, cfg) == pytest.approx(0.1)
@@ -405,8 +408,8 @@ def test_resume_after_interrupt_is_bit_exact(tiny_data, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         T.train(cfg_for(tiny_data, tmp_path / "cut", residual="delta", dropout=0.1))
     monkeypatch.setattr(GPT, "forward", forward)
-    assert T.load_checkpoint(tmp_path / "cut" / "last.pt")["iter_num"] == 3
-    T.train(T.resume_config(out_dir=str(tmp_path / "cut")))
+    assert CK.load_checkpoint(tmp_path / "cut" / "last.pt")["iter_num"] == 3
+    T.train(O.resume_config(out_dir=str(tmp_path / "cut")))
     assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "full")
     a, b = params(tmp_path / "full" / "last.pt"), params(tmp_path / "cut" / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -415,9 +418,9 @@ def test_resume_after_interrupt_is_bit_exact(tiny_data, tmp_path, monkeypatch):
 def test_non_finite_gradient_with_finite_loss_stops_before_applying(tiny_data, tmp_path, monkeypatch):
     cfg = cfg_for(tiny_data, tmp_path / "run", ckpt_interval=2)
     poison_training_step(monkeypatch, 4, _InfGrad.apply)  # a finite loss whose gradient is inf
-    with pytest.raises(T.TrainError, match="gradient norm is (inf|nan) at step 3"):
+    with pytest.raises(TrainError, match="gradient norm is (inf|nan) at step 3"):
         T.train(cfg)
-    ckpt = T.load_checkpoint(tmp_path / "run" / "last.pt")
+    ckpt = CK.load_checkpoint(tmp_path / "run" / "last.pt")
     assert ckpt["iter_num"] == 2 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
 
 
@@ -443,21 +446,21 @@ def test_resume_applies_changed_optimizer_settings(tiny_data, tmp_path, monkeypa
         return step(self, *a, **k)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", spy)
-    T.train(T.resume_config(out_dir=str(tmp_path / "run"), max_iters=5, weight_decay=0.0, beta2=0.5, route_lr_mult=5.0))
+    T.train(O.resume_config(out_dir=str(tmp_path / "run"), max_iters=5, weight_decay=0.0, beta2=0.5, route_lr_mult=5.0))
     assert seen == {"decay": (0.0, (0.9, 0.5), 1.0), "no_decay": (0.0, (0.9, 0.5), 1.0), "routing": (0.0, (0.9, 0.5), 5.0)}
 
 
 def test_resume_float32_run_as_float16(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
-    T.train(T.resume_config(out_dir=str(tmp_path / "run"), max_iters=3, dtype="float16"))
-    assert T.load_checkpoint(tmp_path / "run" / "last.pt")["scaler"]  # the enabled scaler's state is saved
+    T.train(O.resume_config(out_dir=str(tmp_path / "run"), max_iters=3, dtype="float16"))
+    assert CK.load_checkpoint(tmp_path / "run" / "last.pt")["scaler"]  # the enabled scaler's state is saved
 
 
 def test_torn_metrics_line_does_not_block_resume(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=4))
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 5, "train_lo')  # a kill -9 mid-write
-    T.train(T.resume_config(out_dir=str(tmp_path / "run"), max_iters=6))
+    T.train(O.resume_config(out_dir=str(tmp_path / "run"), max_iters=6))
     assert [s for s, _ in train_losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
 
 
@@ -465,19 +468,19 @@ def test_run_started_with_init_from_can_resume(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=4))
     T.train(cfg_for(tiny_data, tmp_path / "delta", residual="delta", max_iters=4,
                     init_from=str(tmp_path / "base" / "last.pt")))
-    T.train(T.resume_config(out_dir=str(tmp_path / "delta"), max_iters=6))
-    assert T.load_checkpoint(tmp_path / "delta" / "last.pt")["iter_num"] == 6
+    T.train(O.resume_config(out_dir=str(tmp_path / "delta"), max_iters=6))
+    assert CK.load_checkpoint(tmp_path / "delta" / "last.pt")["iter_num"] == 6
     with pytest.raises(ValueError, match="cannot be combined with --init-from"):
-        T.resume_config(out_dir=str(tmp_path / "delta"), init_from="x.pt")
+        O.resume_config(out_dir=str(tmp_path / "delta"), init_from="x.pt")
 
 
 def test_init_from_routed_checkpoint_into_other_mode_zeroes_routing(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "delta", residual="delta", max_iters=4, learning_rate=0.05))
-    src = T.load_checkpoint(tmp_path / "delta" / "last.pt")
+    src = CK.load_checkpoint(tmp_path / "delta" / "last.pt")
     assert any(torch.count_nonzero(v) for k, v in src["model"].items() if k.endswith("router.query"))
-    model = T.model_from_checkpoint(src, residual="attnres")
+    model = CK.model_from_checkpoint(src, residual="attnres")
     assert all(torch.count_nonzero(p) == 0 for n, p in model.named_parameters() if n.endswith("router.query"))
-    same = T.model_from_checkpoint(src)  # same routing: the trained queries are kept
+    same = CK.model_from_checkpoint(src)  # same routing: the trained queries are kept
     assert any(torch.count_nonzero(p) for n, p in same.named_parameters() if n.endswith("router.query"))
 
 
@@ -486,14 +489,14 @@ def test_overwrite_removes_the_old_checkpoints(tiny_data, tmp_path):
     cfg = cfg_for(tiny_data, tmp_path / "run", residual="delta", max_iters=0, overwrite=True)
     T.train(cfg)
     assert not (tmp_path / "run" / "best.pt").exists()
-    assert T.load_checkpoint(tmp_path / "run" / "last.pt")["model_config"]["residual"] == "delta"
+    assert CK.load_checkpoint(tmp_path / "run" / "last.pt")["model_config"]["residual"] == "delta"
 
 
 def test_eval_only_needs_a_trained_model(tiny_data, tmp_path):
     with pytest.raises(ValueError, match="--eval-only evaluates a trained model"):
         cfg_for(tiny_data, tmp_path / "run", eval_only=True)
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
-    out = T.train(T.resume_config(out_dir=str(tmp_path / "run"), eval_only=True))
+    out = T.train(O.resume_config(out_dir=str(tmp_path / "run"), eval_only=True))
     assert out["iter_num"] == 2 and out["val_loss"] > 0
 
 
@@ -508,26 +511,26 @@ def test_init_from_gpt2_takes_the_models_shape(tmp_path, monkeypatch):
         return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=1024, vocab_size=50257, bias=True, **override_args))
 
     monkeypatch.setattr(GPT, "from_pretrained", staticmethod(fake_from_pretrained))
-    cfg = T.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), init_from="gpt2",
+    cfg = O.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), init_from="gpt2",
                         residual="delta", block_size=16, batch_size=2, max_iters=1, eval_iters=1, progress=False)
     T.train(cfg)
     assert calls[0][0] == "gpt2" and calls[0][1]["residual"] == "delta"
-    saved = T.load_checkpoint(tmp_path / "run" / "last.pt")
+    saved = CK.load_checkpoint(tmp_path / "run" / "last.pt")
     assert saved["config"]["n_layer"] == saved["model_config"]["n_layer"] == 1
     assert saved["model_config"]["block_size"] == 16 and saved["config"]["bias"] is True
     with pytest.raises(ValueError, match="has 1024 positions"):
-        T.make_config("cpu", init_from="gpt2", block_size=2048)
-    with pytest.raises(T.TrainError, match="gpt2_run.pt does not exist"):  # a path, not a model name
-        T.train(T.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "r3"),
+        O.make_config("cpu", init_from="gpt2", block_size=2048)
+    with pytest.raises(TrainError, match="gpt2_run.pt does not exist"):  # a path, not a model name
+        T.train(O.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "r3"),
                               init_from=str(tmp_path / "gpt2_run.pt"), block_size=16, progress=False))
 
 
 # ---------------------------------------------------------------- nothing a user made is replaced
 
 def test_a_second_training_into_a_busy_run_directory_is_refused(tiny_data, tmp_path):
-    holder = T.RunLock(tmp_path / "run", active=True)
+    holder = RD.RunLock(tmp_path / "run", active=True)
     try:
-        with pytest.raises(T.TrainError, match=f"in use by another training run \\(process {os.getpid()}\\)"):
+        with pytest.raises(TrainError, match=f"in use by another training run \\(process {os.getpid()}\\)"):
             T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
     finally:
         holder.release()
@@ -544,53 +547,53 @@ def test_a_refused_training_leaves_the_folder_as_it_was(tiny_data, tmp_path):
     run.mkdir()
     (run / "last.pt").write_text("mine")
     (run / "run.lock").write_text("12345\n")  # a killed run's
-    with pytest.raises(T.ConfigError, match="already holds a run"):
+    with pytest.raises(ConfigError, match="already holds a run"):
         T.train(cfg_for(tiny_data, run, max_iters=2))
     assert (run / "run.lock").read_text() == "12345\n" and (run / "last.pt").read_text() == "mine"
     (run / "run.lock").write_text("mine")
-    with pytest.raises(T.TrainError, match="is not a run lock that delta-gpt wrote"):
+    with pytest.raises(TrainError, match="is not a run lock that delta-gpt wrote"):
         T.train(cfg_for(tiny_data, run, max_iters=2, overwrite=True))
     assert (run / "run.lock").read_text() == "mine" and (run / "last.pt").read_text() == "mine"
 
 
 @pytest.mark.slow  # a subprocess
 def test_a_killed_run_leaves_no_stale_lock(tiny_data, tmp_path):
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import train; "
-            "lock = train.RunLock(sys.argv[2], True); print('locked', flush=True); time.sleep(60)")
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from workbench import rundir as RD; "
+            "lock = RD.RunLock(sys.argv[2], True); print('locked', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "locked"
-        with pytest.raises(T.TrainError, match=f"process {p.pid}"):
-            T.RunLock(tmp_path / "run", True)
+        with pytest.raises(TrainError, match=f"process {p.pid}"):
+            RD.RunLock(tmp_path / "run", True)
     finally:
         p.kill()
         p.wait()
-    T.RunLock(tmp_path / "run", True).release()  # the kernel dropped the dead process's lock
+    RD.RunLock(tmp_path / "run", True).release()  # the kernel dropped the dead process's lock
 
 
 def test_resume_and_overwrite_together_are_refused(tiny_data, tmp_path):
-    with pytest.raises(T.ConfigError, match="--resume continues the run in out_dir and --overwrite deletes it"):
+    with pytest.raises(ConfigError, match="--resume continues the run in out_dir and --overwrite deletes it"):
         cfg_for(tiny_data, tmp_path / "run", resume=True, overwrite=True)
 
 
 def test_resuming_a_finished_run_says_how_to_continue(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
-    with pytest.raises(T.ConfigError, match="already reached --max-iters 2 .*raise --max-iters"):
-        T.train(T.resume_config(out_dir=str(tmp_path / "run")))
+    with pytest.raises(ConfigError, match="already reached --max-iters 2 .*raise --max-iters"):
+        T.train(O.resume_config(out_dir=str(tmp_path / "run")))
 
 
 def test_overwrite_refuses_an_init_checkpoint_inside_the_run_it_would_clear(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=2))
     init = str(tmp_path / "base" / "last.pt")
-    with pytest.raises(T.ConfigError, match="is inside .* which --overwrite would clear"):
+    with pytest.raises(ConfigError, match="is inside .* which --overwrite would clear"):
         T.train(cfg_for(tiny_data, tmp_path / "base", residual="delta", init_from=init, overwrite=True))
-    assert T.load_checkpoint(init)["iter_num"] == 2  # the baseline is intact
+    assert CK.load_checkpoint(init)["iter_num"] == 2  # the baseline is intact
 
 
 def test_a_run_directory_with_metrics_but_no_checkpoint_is_not_replaced(tiny_data, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
-    with pytest.raises(T.ConfigError, match="already holds a run \\(metrics.jsonl\\)"):
+    with pytest.raises(ConfigError, match="already holds a run \\(metrics.jsonl\\)"):
         T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
 
 
@@ -614,23 +617,122 @@ def test_progress_without_a_terminal_prints_plain_lines(tiny_data, tmp_path, cap
 def test_threads_option_is_a_process_setting_of_the_entry_point(monkeypatch):
     before = torch.get_num_threads()
     try:
-        T.apply_process_settings(T.make_config("cpu", threads=1, device="cpu"))
+        SY.apply_process_settings(O.make_config("cpu", threads=1, device="cpu"))
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
-        monkeypatch.setattr(T, "busy_cores", lambda: 1)  # another job holds one core of two
-        T.apply_process_settings(T.make_config("cpu", device="cpu"))
+        monkeypatch.setattr(SY, "busy_cores", lambda: 1)  # another job holds one core of two
+        SY.apply_process_settings(O.make_config("cpu", device="cpu"))
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    with pytest.raises(T.ConfigError, match="--threads must be at least 1"):
-        T.make_config("cpu", threads=0)
+    with pytest.raises(ConfigError, match="--threads must be at least 1"):
+        O.make_config("cpu", threads=0)
 
 
 @pytest.mark.slow
 def test_fast_routing_is_a_training_option_not_architecture(tiny_data, tmp_path):
     """A run trained on the plain path resumes on the fast one (and the losses agree to float rounding)."""
     T.train(cfg_for(tiny_data, tmp_path / "plain", residual="delta", fast_routing=False, max_iters=4))
-    assert T.load_checkpoint(tmp_path / "plain" / "last.pt")["model_config"]["fast_routing"] is False
-    T.train(T.resume_config(out_dir=str(tmp_path / "plain"), max_iters=8, fast_routing=True))
+    assert CK.load_checkpoint(tmp_path / "plain" / "last.pt")["model_config"]["fast_routing"] is False
+    T.train(O.resume_config(out_dir=str(tmp_path / "plain"), max_iters=8, fast_routing=True))
     T.train(cfg_for(tiny_data, tmp_path / "fast", residual="delta"))
     torch.testing.assert_close(train_losses(tmp_path / "plain"), train_losses(tmp_path / "fast"), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- a newcomer's trial
+
+def test_a_run_that_diverged_before_its_first_checkpoint_is_started_again_with_overwrite(tiny_data, tmp_path, monkeypatch):
+    """Its metrics and config stay behind; the refusal of a rerun, and --resume, both point to --overwrite, which works."""
+    cfg = cfg_for(tiny_data, tmp_path / "run", ckpt_interval=8)
+    poison_training_step(monkeypatch, 2, lambda loss: loss * float("nan"))
+    with pytest.raises(TrainError, match="no checkpoint was written yet"):
+        T.train(cfg)
+    monkeypatch.undo()
+    assert not (tmp_path / "run" / "last.pt").exists() and (tmp_path / "run" / "config.json").exists()
+    with pytest.raises(ConfigError, match="it wrote no checkpoint to resume; pass --overwrite to start over") as info:
+        T.train(cfg)
+    assert "--resume" not in str(info.value)
+    with pytest.raises(TrainError, match="the run in .* stopped before writing it; start it again with --overwrite"):
+        O.resume_config(out_dir=str(tmp_path / "run"))
+    T.train(cfg_for(tiny_data, tmp_path / "run", ckpt_interval=8, overwrite=True))
+    assert CK.load_checkpoint(tmp_path / "run" / "last.pt")["iter_num"] == 8
+
+
+@pytest.mark.slow  # a subprocess holds the run's lock
+def test_a_run_still_before_its_first_checkpoint_says_so(tiny_data, tmp_path):
+    """--resume, sample and report on a run still training with no checkpoint yet: it is in progress, and when
+    its first checkpoint comes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(dict(config=dict(ckpt_interval=250))))
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from workbench import rundir as RD; "
+            "lock = RD.RunLock(sys.argv[2], True); print('locked', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        said = f"does not exist yet: the run in {run} is still training \\(process {p.pid}\\) and writes it at step 250"
+        with pytest.raises(TrainError, match=said):
+            O.resume_config(out_dir=str(run))
+        with pytest.raises(TrainError, match=said):
+            CK.load_model(run / "last.pt")
+        with pytest.raises(TrainError, match="best.pt does not exist yet: .* at its first evaluation that improves"):
+            CK.load_model(run / "best.pt")
+    finally:
+        p.kill()
+        p.wait()
+    with pytest.raises(TrainError, match="stopped before writing it"):  # the process is gone: no longer in progress
+        CK.load_model(run / "last.pt")
+
+
+def test_a_file_that_is_not_a_checkpoint_gets_one_sentence_of_ours(tmp_path):
+    for content, why in ((b"not a zip at all", "torch.load cannot read it (truncated, corrupt, or not a checkpoint)"),
+                         (b"PK\x03\x04" + b"\0" * 40, "torch.load cannot read it")):
+        path = tmp_path / "x.pt"
+        path.write_bytes(content)
+        with pytest.raises(TrainError) as info:
+            CK.load_checkpoint(path)
+        assert str(info.value) == (f"checkpoint {path} is unreadable: {why}"
+                                   + ("" if why.endswith(")") else " (truncated, corrupt, or not a checkpoint)")
+                                   + "; use another checkpoint or train again")
+    torch.save({"model": object}, tmp_path / "pickled.pt")  # a class: refused by weights_only loading
+    with pytest.raises(TrainError, match="holds pickled Python objects, which delta-gpt never loads"):
+        CK.load_checkpoint(tmp_path / "pickled.pt")
+
+
+def test_metrics_are_strict_json_and_old_nan_files_still_read(tiny_data, tmp_path):
+    """One-source sublayers have no entropy: null in metrics.jsonl (strict JSON), and NaN in old files reads too."""
+    T.train(cfg_for(tiny_data, tmp_path / "run", residual="delta", max_iters=4))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in strict JSON"))
+    rows = [strict(l) for l in lines]
+    first = [r for r in rows if r["kind"] == "eval"][0]["routing"]["sublayers"][0]
+    assert first["n"] == 1 and first["entropy"] is None and first["adj_cos"] is None
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text('{"kind": "eval", "step": 0, "val_loss": 1.5, "routing": {"mean_entropy": NaN}}\n')
+    assert math.isnan(RD.read_metrics(old)[0]["routing"]["mean_entropy"])
+
+
+def test_messages_name_options_as_typed_on_the_command_line(tiny_data, tmp_path):
+    """GPTConfig's field=value becomes --option value on the command line (a study file keeps its own keys)."""
+    for argv, said in ((["--residual", "delta_block", "--n-route-blocks", "3"], "--n-route-blocks 3 must divide"),
+                       (["--dropout", "1.5"], "--dropout 1.5 must be in [0, 1)"),
+                       (["--residual", "baseline", "--route-partial"], "--route-partial is set but --residual baseline "
+                                                                         "has no routing; leave --route-partial unset")):
+        with pytest.raises(ConfigError) as info:
+            O.config_from_args(argv)
+        assert said in str(info.value) and "=" not in str(info.value).replace("2*n_layer=", ""), str(info.value)
+
+
+def test_eval_and_training_average_the_same_batches_by_default(tiny_data, tmp_path):
+    import inspect
+    import sample as SA
+    defaults = inspect.signature(SA.evaluate_checkpoint).parameters
+    assert defaults["eval_iters"].default == T.TrainConfig().eval_iters == 20
+    assert defaults["batch_size"].default == T.TrainConfig().batch_size
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=4))
+    last_eval = [r for r in RD.read_metrics(tmp_path / "run") if r["kind"] == "eval"][-1]
+    _, loss, _ = SA.evaluate_checkpoint(tmp_path / "run" / "last.pt", eval_iters=2, batch_size=4)
+    assert loss == pytest.approx(last_eval["val_loss"], abs=1e-6)

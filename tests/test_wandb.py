@@ -11,6 +11,7 @@ import pytest
 import train as T
 from test_cli import refused
 from test_train import cfg_for, cli_args, train_losses
+from workbench import rundir as RD
 
 BLOCK = 32768  # the .wandb log's block size
 
@@ -67,7 +68,7 @@ def test_offline_run_logs_the_metrics(tiny_data, tmp_path, monkeypatch):
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     rows = history_once_written(run_file, len(train_losses(tmp_path / "run")))
     assert logged(rows, "train/train_loss") == train_losses(tmp_path / "run") and len(rows) >= 8
-    evals = [r for r in T.read_metrics(tmp_path / "run") if r["kind"] == "eval"]
+    evals = [r for r in RD.read_metrics(tmp_path / "run") if r["kind"] == "eval"]
     assert logged(rows, "eval/val_loss") == [(r["step"], r["val_loss"]) for r in evals]
     assert logged(rows, "eval/routing/mean_max_weight") == [(r["step"], r["routing"]["mean_max_weight"]) for r in evals]
 

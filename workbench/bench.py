@@ -2,24 +2,12 @@
 Side-by-side benchmark of the residual modes: forward+backward tokens/s, bytes of tensors saved for
 backward (activation memory), and parameter count, each with its ratio to baseline, in one run.
 
-    python bench.py                          # both configs below, all modes
-    python bench.py --config cpu --iters 20  # one config
-    python cli.py bench ...                  # the same through the CLI
-    python bench.py --device cuda            # GPU: d768, context 1024, bf16, eager and compiled
+    python cli.py bench                          # both configs below, all modes
+    python cli.py bench --config cpu --iters 20  # one config
+    python -m workbench.bench ...                # the same without the CLI
+    python cli.py bench --device cuda            # GPU: d768, context 1024, bf16, eager and compiled
 
-Saved bytes are counted with torch.autograd.graph.saved_tensors_hooks over one forward+backward,
-each storage once (views of one tensor count once) and parameters left out. Timing interleaves the
-modes round by round (each round about a second of steps, unless --iters says) and takes each mode's
-fastest round: on a shared machine interference only ever adds time, so the best round is the
-repeatable figure (as timeit does), and interleaving makes every mode see the same machine. As
-training on the CPU does, malloc keeps freed memory for reuse (train.keep_freed_memory; --malloc
-default leaves the C library's own behaviour, which page-faults fresh memory in on every step).
-
-On CUDA (--device cuda) each mode runs at GPT-2 small's shape with context 1024 under bf16 autocast,
-eager and then torch.compile'd: tokens/s (best of --rounds rounds of --iters steps, timed between
-torch.cuda.synchronize calls), MFU (GPT.estimate_mfu) and peak memory (torch.cuda.max_memory_allocated,
-reset per mode and variant: parameters, gradients and activations of that model alone). The modes run
-one after another, each model freed before the next; a mode that runs out of memory is reported so.
+How it counts saved bytes and times the modes, on the CPU and on CUDA: docs/speed.md.
 """
 import argparse
 import gc
@@ -32,8 +20,8 @@ from dataclasses import replace
 import torch
 
 from delta_gpt import GPT, GPTConfig, RESIDUALS
-from errors import DeltaGPTError
-from train import keep_freed_memory
+from workbench.errors import DeltaGPTError
+from workbench.system import keep_freed_memory
 
 # name -> (model config, batch size), fp32 eager on the CPU: the cpu preset's model (character vocabulary) and GPT-2 small
 CONFIGS = {
@@ -250,7 +238,7 @@ def check_args(args):
         raise BenchError("--n-layer and --n-embd apply to the CPU configs only")
     if not torch.cuda.is_available():
         raise BenchError(f"--device cuda needs a CUDA GPU, and this PyTorch ({torch.__version__}) sees none; "
-                         f"run the CPU benchmark without --device, or install a CUDA build of PyTorch (README, GPUs)")
+                         f"run the CPU benchmark without --device, or install a CUDA build of PyTorch (docs/gpus.md)")
     if args.config not in (*CUDA_CONFIGS, "all"):
         raise BenchError(f"--config {args.config} is a CPU config; on CUDA choose {', '.join(CUDA_CONFIGS)} or all")
     bad = [v for v in (args.variants or "").split(",") if v and v not in VARIANTS]

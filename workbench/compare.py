@@ -4,27 +4,29 @@ Compare residual modes: train each variant and seed on the same batches, then ta
     python cli.py compare --residual baseline,delta --seeds 1,2,3 --max-iters 2000
     python cli.py compare --study studies/depth.toml --out runs/depth
 
-Both run a study (study.py; `--residual` builds one in memory): every run lives in OUT/VARIANT-sSEED
-(OUT/OPTION=VALUE/VARIANT-sSEED with a sweep). A finished run is reused and an unfinished one resumed, but
-only when the settings it recorded are the ones asked for now; otherwise the command refuses, naming the
-settings that differ, so a table never shows numbers of a run other than the one asked for. For a given
-seed every variant sees the same batches, so each is paired with the study's reference seed by seed.
+How runs are laid out, reused, refused and paired: docs/usage.md, "Studies and study files".
 """
 import json
 import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import report as R
-import study as S
-import train as T
+import data
+from delta_gpt import RESIDUALS
+from workbench import options as O
+from workbench import report as R
+from workbench import study as S
+from workbench.checkpoint import load_checkpoint
+from workbench.errors import ConfigError
+from workbench.rundir import check_same_data, read_metrics
+from workbench.system import pick_device
 
 
 def run_settings(cfg):
     """The settings that decide a run's numbers, with the model's defaults filled in as the run records them."""
-    model = T.model_config(cfg, vocab_size=1)
-    cfg = replace(cfg, **{k: getattr(model, k) for k in T.MODEL_FIELDS})
-    return {k: v for k, v in asdict(cfg).items() if k not in T.BOOKKEEPING_FIELDS}
+    model = O.model_config(cfg, vocab_size=1)
+    cfg = replace(cfg, **{k: getattr(model, k) for k in O.MODEL_FIELDS})
+    return {k: v for k, v in asdict(cfg).items() if k not in O.BOOKKEEPING_FIELDS}
 
 
 def settings_diff(recorded, asked):
@@ -37,7 +39,7 @@ def recorded_settings(out_dir):
     or (None, None) when it holds no run."""
     out_dir = Path(out_dir)
     if (out_dir / "last.pt").exists():
-        ckpt = T.load_checkpoint(out_dir / "last.pt", mmap=True)
+        ckpt = load_checkpoint(out_dir / "last.pt", mmap=True)
         return ckpt["config"], ckpt["iter_num"]
     if (out_dir / "config.json").exists():
         return json.loads((out_dir / "config.json").read_text())["config"], None
@@ -47,8 +49,8 @@ def recorded_settings(out_dir):
 def changed_midway(out_dir):
     """'name (a -> b at step N)' for each setting that decides a run's numbers and that a resume of the run in
     out_dir changed (its metrics.jsonl records them)."""
-    return [f"{k} ({a!r} -> {b!r} at step {row['step']})" for row in T.read_metrics(out_dir) if row["kind"] == "resume"
-            for k, (a, b) in row.get("changed", {}).items() if k not in T.BOOKKEEPING_FIELDS]
+    return [f"{k} ({a!r} -> {b!r} at step {row['step']})" for row in read_metrics(out_dir) if row["kind"] == "resume"
+            for k, (a, b) in row.get("changed", {}).items() if k not in O.BOOKKEEPING_FIELDS]
 
 
 def run_state(cfg, overwrite=False):
@@ -57,17 +59,17 @@ def run_state(cfg, overwrite=False):
     recorded, step = recorded_settings(cfg.out_dir)
     if recorded is None or overwrite:
         return ("new" if recorded is None else "restart"), 0
-    diff = settings_diff(run_settings(T.TrainConfig(**{k: v for k, v in recorded.items() if hasattr(cfg, k)})),
+    diff = settings_diff(run_settings(type(cfg)(**{k: v for k, v in recorded.items() if hasattr(cfg, k)})),
                          run_settings(cfg))
     if diff:
-        raise T.ConfigError(f"{cfg.out_dir} holds a run with other settings: {'; '.join(diff)}; choose another "
+        raise ConfigError(f"{cfg.out_dir} holds a run with other settings: {'; '.join(diff)}; choose another "
                             f"--out, or pass --overwrite to train it again")
     midway = changed_midway(cfg.out_dir)
     if midway:
-        raise T.ConfigError(f"{cfg.out_dir} holds a run resumed with other settings ({'; '.join(midway)}), not one "
+        raise ConfigError(f"{cfg.out_dir} holds a run resumed with other settings ({'; '.join(midway)}), not one "
                             f"run with the settings asked for; choose another --out, or pass --overwrite to train "
                             f"it again")
-    T.check_same_data(cfg.out_dir, T.prepared_meta(cfg) or {},  # not prepared (yet): training deals with it
+    check_same_data(cfg.out_dir, data.prepared_meta(cfg.dataset, cfg.data_dir) or {},  # not prepared (yet): training deals with it
                       "choose another --out, or pass --overwrite to train it again")
     if step is None:  # started with these settings but stopped before its first checkpoint
         return "restart", 0
@@ -82,14 +84,15 @@ def train_or_reuse(cfg, state, echo=print):
     if state == "finished":
         echo(f"{cfg.residual} seed {cfg.seed}: reusing the finished run in {cfg.out_dir}")
         return None
-    return T.train(replace(cfg, resume=state == "resume", overwrite=state == "restart"))
+    import train  # the core's train(), the one thing the workbench calls in train.py
+    return train.train(replace(cfg, resume=state == "resume", overwrite=state == "restart"))
 
 
 def run_summary(out_dir, seed):
     """What the table needs of one finished run, read from its metrics.jsonl and config.json: the last
     evaluation's val loss and routing sharpness, the median training tokens/s, and the curve
     [(step, val loss, elapsed seconds)]."""
-    rows = T.read_metrics(out_dir)
+    rows = read_metrics(out_dir)
     evals = [r for r in rows if r["kind"] == "eval"]
     if not evals or not (Path(out_dir) / "config.json").exists():
         raise S.StudyError(f"{out_dir} has a checkpoint but no {'evaluation in metrics.jsonl' if not evals else 'config.json'}"
@@ -111,20 +114,20 @@ def study_of(study_file=None, residual=None, seeds=None, argv=()):
     options in argv (--preset P, --max-iters N, ...) go on top of its [train]."""
     if study_file is not None and (residual is not None or seeds is not None):
         raise S.StudyError("--study sets its own variants and seeds; leave out --residual and --seeds")
-    preset, overrides = T.parse_args(argv)
+    preset, overrides = O.parse_args(argv)
     if study_file is not None:
         return S.load_study(study_file, overrides, preset)
     try:
         seed_list = [int(s) for s in (seeds or "1,2,3").split(",") if s]
     except ValueError:
         raise S.StudyError(f"--seeds takes comma-separated integers, got {seeds!r}") from None
-    modes = [m for m in (residual or ",".join(T.RESIDUALS)).split(",") if m]
+    modes = [m for m in (residual or ",".join(RESIDUALS)).split(",") if m]
     return S.study_from_modes(modes, seed_list, preset, overrides)
 
 
 def process_config(study):
     """A TrainConfig holding the process-wide settings (threads, device, malloc) the study's runs ask for."""
-    return T.make_config(study.preset, **{k: v for k, v in study.train.items() if k in T.PROCESS_FIELDS})
+    return O.make_config(study.preset, **{k: v for k, v in study.train.items() if k in O.PROCESS_FIELDS})
 
 
 def run_study(study, out, overwrite=False, echo=print, dry_run=False):
@@ -149,7 +152,7 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False):
     table = R.study_table(rows, study.reference, option)
     R.save_json(dict(name=study.name, study=study.definition(), rows=rows, runs=summaries), out / "compare.json")
     best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)],
-                        tuning=option not in T.ARCH_FIELDS)
+                        tuning=option not in O.ARCH_FIELDS)
     (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in (best, R.study_notes(study.reference)) if t)
                                     + "\n")
     cfg = runs[0].cfg
@@ -194,8 +197,8 @@ def estimated_run_seconds(cfg):
     import time
     import torch
     from delta_gpt import GPT
-    ds, device = T.open_dataset(cfg), T.pick_device(cfg)
-    model = GPT(T.model_config(cfg, ds.vocab_size)).to(device)
+    ds, device = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size), pick_device(cfg)
+    model = GPT(O.model_config(cfg, ds.vocab_size)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     X = torch.randint(ds.vocab_size, (cfg.batch_size, cfg.block_size), device=device)
     times = []

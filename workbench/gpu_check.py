@@ -2,46 +2,11 @@
 make gpu-check: the CUDA tests, the CUDA benchmark and 500 training steps of every mode on one GPU, in one
 run of at most 8 minutes (one H200), ending in one table.
 
-    python3 gpu_check.py                        # or: make gpu-check
-    python3 gpu_check.py --out out/gpu-check    # where the table and the logs go (the default)
-    python3 gpu_check.py --parts bench,train    # run again only some parts
+    python3 -m workbench.gpu_check                        # or: make gpu-check
+    python3 -m workbench.gpu_check --out out/gpu-check    # where the table and the logs go (the default)
+    python3 -m workbench.gpu_check --parts bench,train    # run again only some parts
 
-It runs with the machine's own Python and CUDA PyTorch (no venv, no install) and first checks what such a
-machine may lack: CUDA itself, the Python packages, and data/shakespeare_char prepared (git-ignored; made
-with `python cli.py prepare` where the shakespeare package is installed, and copied here). Then:
-
-  tests   pytest -m cuda tests/test_cuda.py                                         at most 210 s
-  warm-up beside the tests, two processes per mode compile the benchmark's and the
-          training run's graphs, filling Inductor's and Triton's on-disk caches       at most 210 s
-  bench   bench.py --device cuda: the four modes, eager and compiled, d768 / 12 layers
-          / context 1024, bf16, batch 16; tokens/s, MFU and peak memory                at most 150 s
-  train   cli.py train --preset shakespeare_char --max-iters 500 for the four modes,
-          bf16, compiled, eval at 0, 250 and 500 on 20 batches                         what is left
-                                                                                     (the rest of 480 s)
-
-How the 8 minutes (--budget 480) are spent: compiling dominates. A compile of the d768 model takes tens of
-seconds per mode (more for the routed modes, whose graphs are larger), one of the 6 x 384 training model
-about half that, and 8 such compiles one after another would fill the budget alone. So the warm-up compiles
-them all at once, eight processes on the machine's cores while the tests run (the tests check results, not
-speed, and their own compiles are of 1- to 4-layer models); the benchmark and the training runs then load
-their compiled graphs from the caches in seconds. The benchmark times only after the warm-up has ended, so
-no other process shares the GPU then, and each warm-up of the benchmark may hold at most 18% of the GPU's
-memory, so that the tests keep theirs. Expected (estimates: no GPU has run this yet): tests and warm-up
-about 3 minutes, the benchmark 1.5, the four training runs (500 steps of about 16K tokens each, a few
-seconds of steps and evaluation per mode once compiled) 2; about 6 minutes in all. Each part runs as a subprocess under its own limit (the benchmark's
-leaves 120 s for training), and each training run may use what is left but 30 s for each run after it
-(or 60 s while that much is left: when time is short, baseline and the first modes finish), so the whole
-check stays within the budget even when a part is slow: a part that overruns is stopped and
-shown as timed out, with what it finished. The elapsed time of each part is printed and written. Sized
-for an H200; on a smaller GPU give --budget more time (and --batch-size less memory).
-
-Written to --out: gpu_check.md (the table), gpu_check.json, and each part's log (tests.log, tests.xml,
-bench.log, bench.json, warm-bench-MODE.log, warm-train-MODE.log, train-MODE.log and
-train-MODE-metrics.jsonl). Checkpoints of the training runs go to --runs (default runs/gpu-check), not
---out; each run there starts afresh. Both folders are marked as gpu-check's (a file .gpu-check), and a folder
-that holds other files is refused unless --force, so no one's runs are replaced. Exit status 0 when every part passed; the project's GPU targets (baseline MFU at least 40%, the routed
-modes' speed and peak memory against baseline; README, GPUs) are reported below the table, met or missed,
-not required.
+The parts, how the 8 minutes are spent, what is written, and the GPU targets: docs/gpus.md.
 """
 import argparse
 import datetime
@@ -56,7 +21,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: where data/, tests/ and cli.py are
 MODES = ("baseline", "attnres", "delta", "delta_block")
 PARTS = ("tests", "bench", "train")
 DATA_FILES = ("train.bin", "val.bin", "meta.json")
@@ -66,7 +31,7 @@ TRAIN_MIN = 30  # seconds a training run keeps for each run after it (about what
 TRAIN_FLOOR = 60  # seconds a training run may take all the same, while that much is left
 NO_TIME = "not run: too little of --budget left"
 MARK = ".gpu-check"  # in --out and --runs: folders gpu-check made, whose files it may replace
-TARGETS = dict(mfu=0.40, tok_s_x=dict(attnres=0.93, delta=0.95, delta_block=0.95), peak_x=1.15)  # the README's GPU targets
+TARGETS = dict(mfu=0.40, tok_s_x=dict(attnres=0.93, delta=0.95, delta_block=0.95), peak_x=1.15)  # the GPU targets in docs/gpus.md
 
 # the benchmark's warm-up, one process per mode: compile its graph at batch argv[2], so that the timed run
 # finds it in Inductor's on-disk caches. Each of the four may take at most WARM_MEMORY of the GPU's memory,
@@ -77,7 +42,7 @@ WARM = f"""
 import sys
 import torch
 sys.path.insert(0, ".")
-import bench
+from workbench import bench
 mode, batch = sys.argv[1], int(sys.argv[2])
 torch.cuda.set_per_process_memory_fraction({WARM_MEMORY})
 config, _ = bench.CUDA_CONFIGS["d768"]
@@ -88,11 +53,11 @@ print(bench.bench_cuda(config, batch, (mode,), ("compiled",), iters=1, rounds=1,
 def problems(data_dir=ROOT / "data"):
     """What this machine lacks for the check, one line each (CUDA alone when there is no CUDA)."""
     if importlib.util.find_spec("torch") is None:
-        return ["PyTorch is not installed: install a CUDA build of PyTorch (README, GPUs)"]
+        return ["PyTorch is not installed: install a CUDA build of PyTorch (docs/gpus.md)"]
     import torch
     if not torch.cuda.is_available():
         return [f"no CUDA GPU: this PyTorch ({torch.__version__}) sees none; run make gpu-check on a machine "
-                f"with an NVIDIA GPU and a CUDA build of PyTorch (README, GPUs)"]
+                f"with an NVIDIA GPU and a CUDA build of PyTorch (docs/gpus.md)"]
     lines = [f"the Python package {m} is missing; install it (pip install {m})"
              for m in ("numpy", "tqdm", "typer", "pytest") if importlib.util.find_spec(m) is None]
     ds = Path(data_dir) / "shakespeare_char"
@@ -338,7 +303,7 @@ def run_bench(args, out, t0, deadline):
         return [dict(part="bench", mode=None, result=NO_TIME, ok=False)]
     json_path = out / "bench.json"
     json_path.unlink(missing_ok=True)
-    p = start([sys.executable, "bench.py", "--device", "cuda", "--batch-size", args.batch_size, "--json", json_path],
+    p = start([sys.executable, "-m", "workbench.bench", "--device", "cuda", "--batch-size", args.batch_size, "--json", json_path],
               out / "bench.log")
     rc = finish(p, limit)
     result = "ok" if rc == 0 else f"timed out after {limit:.0f} s" if rc is None else f"exit {rc}: {last_line(out / 'bench.log')}"

@@ -4,47 +4,7 @@ Memory planner: what one GPU holds while it trains a config, known before any GP
     python cli.py plan --preset paper_7b --nproc 8 --gpu-memory 80
     python cli.py plan --preset paper_1b --residual delta --nproc 8 --batch-size 16 --gpu-memory 80
 
-`plan` takes the train options (--preset, --residual, --batch-size, --block-size, --fsdp,
---activation-checkpointing, --dtype, ...) and prints per GPU, in GiB (2^30 bytes):
-
-  parameters      4 bytes each: the fp32 weights AdamW updates
-  gradients       4 bytes each (fp32)
-  AdamW state     8 bytes each: exp_avg and exp_avg_sq (fp32)
-                  With --fsdp these three are sharded: each GPU holds 1/nproc of them.
-  FSDP gathered   with --fsdp: the parameters gathered for compute, in the compute dtype, and their
-                  unsharded fp32 gradients for the reduce-scatter: the root's (the embeddings and ln_f,
-                  gathered through forward and backward) and two blocks' (one computing, one prefetched)
-  DDP buckets     without --fsdp on more than one GPU: DDP's gradient buckets, a second fp32 gradient copy
-  activations     what one micro-step's forward keeps for its backward (below)
-  logits gradient batch x context x vocabulary x 4 bytes: the largest temporary, as backward starts
-
-Against --gpu-memory it counts 90% as usable (the rest for the CUDA context, NCCL's buffers, the
-allocator's fragmentation and the smaller temporaries), says whether the total fits and, if it does
-not, what would: a smaller --batch-size with more gradient accumulation, --activation-checkpointing,
---fsdp, more GPUs. When nothing at this GPU count fits even one sequence, that is one line and exit 1.
-
-Activations. Each tensor autograd saves has a size that is a product of the micro-batch B, the context
-T, the layer count L (or L^2: the routing scores and weights, where up to 2L routers each read up to 2L
-sources) and the width D, the vocabulary V and the head size being fixed (the head count is D / head
-size). So the bytes saved are a sum of the monomials in TERMS with constant coefficients:
-  B*T*(L*D, L^2*D, L, L^2, D, 1)  each layer's D-wide tensors (the inputs of its Linears, LayerNorms and
-                                  GELU; attention's q, k, v, output and per-head log-sum-exp), per-token
-                                  statistics, routing scores and weights; ln_f and lm_head's input; and
-                                  the loss's V-wide log-softmax (in the B*T term)
-  B*T^2*L*D                       an attention matrix per head, where a kernel keeps one (the manual
-                                  path; dropout on the CPU); none with flash attention
-  L*D^2, L*D, D, T^2*L, T^2, T, 1 kept once whatever the batch: autocast's bf16 weight copies (lm_head's
-                                  V x D in the D term), the routers' folded queries, causal masks, positions
-The planner counts bench.saved_bytes of the real model on the CPU at 30 small sizes (L = l, 2l, 3l,
-l the fewest layers the routing blocks allow; D two and three heads wide; (B, T) = (2, 16), (3, 16),
-(2, 32), (3, 32), (2, 48): no dimension of 1, where a transpose is free and two tensors would share a
-storage they do not share at the planned size), solves for the coefficients by least squares, checks
-the fit is exact at every point measured, and evaluates it at the planned size. It runs eager (compile
-usually keeps less) in the planned precision: fp32; bf16 autocast over fp32 weights (DDP); bf16
-weights under autocast (FSDP's bf16 compute). fp16 is planned as bf16 (the same bytes); LayerNorm runs
-in fp32 as under CUDA's autocast (the CPU's keeps it in bf16). With --activation-checkpointing each block is measured with
-`recompute = True`: each sublayer's f_k(LN(u)) then keeps only its input u (torch.utils.checkpoint
-saves it for backward, where the count sees it) and is recomputed in backward.
+What it counts per GPU, and how the activations are fitted to the model's own saved tensors: docs/scaling.md.
 """
 import math
 from dataclasses import replace
@@ -53,8 +13,10 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-import bench
-import train
+import data
+from workbench import bench
+from workbench.errors import ConfigError
+from workbench import options as O
 from delta_gpt import GPT, LayerNorm
 
 GIB = 2**30
@@ -68,7 +30,7 @@ EXACT = 1e-6  # the fit's largest relative error at the points measured
 def vocab_size(cfg):
     """The vocabulary train.py would build for cfg: the prepared dataset's (GPT-2's padded to 50,304),
     or GPT-2's padded when the dataset is not prepared here."""
-    meta = train.prepared_meta(cfg)
+    meta = data.prepared_meta(cfg.dataset, cfg.data_dir)
     return 50304 if meta is None or meta.get("tokenizer") == "gpt2" else int(meta["vocab_size"])
 
 
@@ -81,7 +43,7 @@ def precision(cfg):
 
 def model_config(cfg, vocab, **change):
     """The GPTConfig of cfg, with `change` (n_layer, n_head, n_embd, block_size) for a measurement."""
-    config = train.model_config(cfg, vocab)
+    config = O.model_config(cfg, vocab)
     n_route_blocks = None if config.residual == "delta" else config.n_route_blocks  # delta: always 2 * n_layer
     return replace(config, n_route_blocks=n_route_blocks, **change)
 
@@ -89,7 +51,7 @@ def model_config(cfg, vocab, **change):
 def parameters(cfg, vocab):
     """(all parameters, one block's) of cfg's model, counted on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        model = GPT(train.model_config(cfg, vocab))
+        model = GPT(O.model_config(cfg, vocab))
     return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.transformer.h[0].parameters())
 
 
@@ -133,7 +95,7 @@ def monomials(B, T, L, D):
     return [math.prod(env.get(f, 1) for f in term.split("*")) for term in TERMS]
 
 
-FIT_FIELDS = (*train.ROUTE_FIELDS, "bias", "dropout", "fast_routing",
+FIT_FIELDS = (*O.ROUTE_FIELDS, "bias", "dropout", "fast_routing",
               "activation_checkpointing")  # with the head size, precision and vocabulary: what a fit depends on
 _fits = {}
 
@@ -148,7 +110,7 @@ def fit(cfg, vocab):
 
 def _fit(cfg, vocab):
     head = cfg.n_embd // cfg.n_head
-    blocks = train.model_config(cfg, vocab).n_route_blocks if cfg.residual in ("attnres", "delta_block") else 1
+    blocks = O.model_config(cfg, vocab).n_route_blocks if cfg.residual in ("attnres", "delta_block") else 1
     l = blocks // math.gcd(blocks, 2)  # the fewest layers whose 2L sublayers the routing blocks divide
     rows, saved = [], []
     for L in (l, 2 * l, 3 * l):
@@ -281,7 +243,7 @@ def advice(cfg, vocab, nproc, gpu_memory):
             lines.append(f"  {flags}{' ' + opts if opts else ''}: {gib(step(alt, b))} GiB "
                          f"(the largest --batch-size that fits is {most})")
     if not lines:
-        raise train.ConfigError(no_fit(cfg, vocab, nproc, gpu_memory, room))
+        raise ConfigError(no_fit(cfg, vocab, nproc, gpu_memory, room))
     gpus = gpus_needed(cfg, vocab, usable, cfg.batch_size)
     if gpus and gpus > nproc:
         lines.append(f"  --fsdp --nproc {gpus}: {gib(step(replace(cfg, fsdp=True), n=gpus))} GiB (or more GPUs; "
@@ -304,13 +266,13 @@ def no_fit(cfg, vocab, nproc, gpu_memory, room):
 def report(cfg, nproc=1, gpu_memory=None, vocab=None):
     """The plan of cfg on nproc GPUs as text; ConfigError for bad input or a plan nothing makes fit."""
     if nproc < 1:
-        raise train.ConfigError(f"--nproc must be at least 1, got {nproc}")
+        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     if gpu_memory is not None and not gpu_memory > 0:
-        raise train.ConfigError(f"--gpu-memory must be positive (GiB a GPU, e.g. 80), got {gpu_memory:g}")
+        raise ConfigError(f"--gpu-memory must be positive (GiB a GPU, e.g. 80), got {gpu_memory:g}")
     if vocab is not None and vocab < 1:
-        raise train.ConfigError(f"--vocab-size must be at least 1, got {vocab}")
+        raise ConfigError(f"--vocab-size must be at least 1, got {vocab}")
     if cfg.gradient_accumulation_steps % nproc:
-        raise train.ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple of "
+        raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple of "
                          f"--nproc {nproc} (train.py divides the micro-steps among the GPUs)")
     vocab = vocab or vocab_size(cfg)
     lines = table(cfg, vocab, nproc)

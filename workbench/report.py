@@ -7,6 +7,7 @@ Routing reports and mode comparisons for the CLI: statistics, terminal tables, J
     study_rows(summaries, reference) / study_table(rows, reference) / draw_study(...)   # compare and studies
 
 matplotlib is imported inside the draw functions, so importing this module (train.py does) stays light.
+Written JSON is strict: a statistic with no value (one source) is null, not NaN.
 """
 import json
 import math
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from errors import DeltaGPTError
+from workbench.errors import ConfigError, DeltaGPTError
 
 TABLE_LEGEND = """\
 n: the sublayer's number of sources; 1/n: the weight of each under uniform routing.
@@ -169,8 +170,9 @@ def draw_routing(reports, path):
 
 
 def save_json(obj, path):
+    from workbench.rundir import jsonable
     with open(path, "w") as f:
-        json.dump(obj, f, indent=2, default=float)
+        json.dump(jsonable(obj), f, indent=2, default=float, allow_nan=False)
         f.write("\n")
 
 
@@ -238,29 +240,33 @@ def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, 
     """Routing statistics of one or two routed checkpoints on the same fixed validation batches: returns the
     table and the files written (out/report.json and out/report.png; out defaults to beside the first).
     Every checkpoint is checked before anything is computed, and existing reports are kept unless force."""
-    import sample as S
-    import train as T
+    import data
+    from workbench.checkpoint import checkpoint_dataset, load_model
+    from workbench.options import at_least_one
+    from workbench.rundir import check_folder
     if len(paths) > 2:
-        raise T.ConfigError("report compares at most two checkpoints")
-    T.at_least_one(batches=batches, batch_size=batch_size)
+        raise ConfigError("report compares at most two checkpoints")
+    at_least_one(batches=batches, batch_size=batch_size)
     out = Path(out) if out is not None else Path(paths[0]).parent / "report"
-    T.check_folder(out, "--out")
+    check_folder(out, "--out")
     written = [out / "report.json", out / "report.png"]
     if not force and any(p.exists() for p in written):
-        raise T.ConfigError(f"{out} already holds a report; pass --force to replace it, or choose another --out")
+        raise ConfigError(f"{out} already holds a report; pass --force to replace it, or choose another --out")
     loaded = []
     for path in paths:
-        model, ckpt = S.load_model(path)
+        model, ckpt = load_model(path)
         if model.config.residual == "baseline":
-            raise T.ConfigError(f"{path} is a baseline model: it has no routing to report; train or convert a routed "
+            raise ConfigError(f"{path} is a baseline model: it has no routing to report; train or convert a routed "
                                 f"one (--residual attnres, delta or delta_block)")
-        loaded.append((path, model, T.checkpoint_dataset(ckpt, path, data_dir=data_dir)))
+        loaded.append((path, model, checkpoint_dataset(ckpt, path, data_dir=data_dir)))
     reports = []
     for path, model, ds in loaded:
         label = model.config.residual if len({str(p) for p in paths}) == len(paths) else str(path)
         if any(label == l for l, _ in reports):
             label = f"{label} ({Path(path).parent.name})"
-        reports.append((label, T.routing_stats(model, ds, batches, batch_size)))
+        device = model.lm_head.weight.device
+        X = torch.cat([data.eval_batch(ds, "val", k, batch_size, model.config.block_size, device)[0] for k in range(batches)])
+        reports.append((label, routing_stats(model, X)))
     out.mkdir(parents=True, exist_ok=True)
     save_json({label: dict(stats, checkpoint=str(p)) for (label, stats), p in zip(reports, paths)}, written[0])
     draw_routing(reports, written[1])

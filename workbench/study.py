@@ -1,24 +1,9 @@
 """
 Studies as files: which runs a comparison trains, read from a TOML file (or built from `compare --residual`).
 
-    seeds = [1, 2, 3]
-    reference = "baseline"          # the variant every other one is paired with (default "baseline")
-    preset = "cpu"                  # optional, the starting point of every run (--preset overrides it)
-    [train]                         # options for every run: any train option
-    n_embd = 64
-    [sweep]                         # optional: exactly one option and its values, crossed with every variant
-    n_layer = [4, 8, 16, 32]
-    [variants.baseline]             # each variant: a mode plus its own options
-    residual = "baseline"
-    [variants.attnres-full]
-    residual = "attnres"
-    n_route_blocks = "S"            # "S": one block per sublayer (2 * n_layer) at every depth
+    python cli.py compare --study studies/depth.toml --out runs/depth
 
-Runs live in OUT/<variant>-s<seed>, or OUT/<option>=<value>/<variant>-s<seed> with a sweep. Routing
-options (n_route_blocks, route_partial, route_sources, route_lr_mult) do not apply to the baseline: [train]'s
-are left out of its runs, and a sweep over one trains the baseline once per seed, in OUT/<variant>-s<seed>,
-paired with the variants at every value. OUT/study.json records the study, so a folder holding another
-study's runs is refused. Every check runs before anything trains.
+The study file's format, where its runs live, and what is refused: docs/usage.md, "Studies and study files".
 """
 import difflib
 import json
@@ -28,11 +13,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-import train as T
-from errors import DeltaGPTError
+from delta_gpt import RESIDUALS, ROUTING_FIELDS
+from workbench import options as O
+from workbench.rundir import check_folder
+from workbench.errors import DeltaGPTError
 
 STUDY_KEYS = ("seeds", "reference", "preset", "train", "sweep", "variants")
-ROUTING_ONLY = T.ROUTING_FIELDS + ("route_lr_mult",)  # no use to a baseline
+ROUTING_ONLY = ROUTING_FIELDS + ("route_lr_mult",)  # no use to a baseline
 SET_BY_COMPARE = ("seed", "out_dir", "resume", "overwrite")  # every run's own
 EVERY_SUBLAYER = "S"  # n_route_blocks = "S": N = 2 * n_layer
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
@@ -63,7 +50,7 @@ class Run:
     variant: str
     value: object                   # the sweep value (None without a sweep)
     seed: int
-    cfg: T.TrainConfig              # out_dir set: runs of a variant the sweep does not apply to share one
+    cfg: object                     # out_dir set: runs of a variant the sweep does not apply to share one
 
 
 def load_study(path, overrides=None, preset=None):
@@ -85,9 +72,9 @@ def study_from_modes(modes, seeds, preset=None, overrides=None):
     """The study `compare --residual a,b,c` asks for: one variant per mode, paired with the baseline
     (or the first mode when the baseline is not among them)."""
     reference = "baseline" if "baseline" in modes else (modes[0] if modes else "baseline")
-    bad = next((m for m in modes if m not in T.RESIDUALS), None)
+    bad = next((m for m in modes if m not in RESIDUALS), None)
     if not modes or bad is not None:
-        raise StudyError(f"unknown mode {bad or ''!r}; choose from {', '.join(T.RESIDUALS)}")
+        raise StudyError(f"unknown mode {bad or ''!r}; choose from {', '.join(RESIDUALS)}")
     return study_from_dict(dict(seeds=list(seeds), reference=reference, variants={m: {"residual": m} for m in modes}),
                            "compare", overrides, preset, where="compare")
 
@@ -111,7 +98,7 @@ def study_from_dict(raw, name, overrides=None, preset=None, where="the study"):
     sweep = checked_sweep(raw.get("sweep"), where, train)
     cli = checked_options(overrides or {}, "the command line", flag=True)
     if sweep and sweep[0] in cli:
-        raise StudyError(f"--{T.flag(sweep[0])} is swept by {where}; leave it out (the command line overrides "
+        raise StudyError(f"--{O.flag(sweep[0])} is swept by {where}; leave it out (the command line overrides "
                          f"[train] only)")
     checked = {}
     for vname, options in variants.items():
@@ -126,8 +113,8 @@ def study_from_dict(raw, name, overrides=None, preset=None, where="the study"):
     if reference not in checked:
         raise StudyError(f"{where}: reference {reference!r} is not a variant; choose one of {', '.join(checked)}")
     preset = preset or raw.get("preset")
-    if preset is not None and preset not in T.PRESETS:
-        raise StudyError(f"{where}: unknown preset {preset!r}; choose one of {', '.join(T.PRESETS)}")
+    if preset is not None and preset not in O.knobs()[1]:
+        raise StudyError(f"{where}: unknown preset {preset!r}; choose one of {', '.join(O.knobs()[1])}")
     return Study(name, seeds, reference, preset, {**train, **cli}, sweep, checked)
 
 
@@ -135,10 +122,10 @@ def checked_options(options, where, flag=False):
     """options with each name a TrainConfig field and each value of its type (ints taken for floats)."""
     if not isinstance(options, dict):
         raise StudyError(f"{where} must be a table of options")
-    kinds = {f.name: str(f.type) for f in fields(T.TrainConfig)}
+    kinds = {f.name: str(f.type) for f in fields(O.knobs()[0])}
     out = {}
     for key, value in options.items():
-        shown = f"--{T.flag(key)}" if flag else key
+        shown = f"--{O.flag(key)}" if flag else key
         if key not in kinds or key == "preset":
             close = difflib.get_close_matches(key, [k for k in kinds if k != "preset"], n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
@@ -198,9 +185,9 @@ def checked_variant(vname, options, where, sweep):
     if not isinstance(options, dict):
         raise StudyError(f"{where}: variant {vname!r} must be a table, e.g. [variants.{vname}] residual = \"delta\"")
     mode = options.get("residual")
-    if mode not in T.RESIDUALS:
+    if mode not in RESIDUALS:
         said = "sets no residual" if mode is None else f"has unknown mode {mode!r}"
-        raise StudyError(f"{where}: variant {vname!r} {said}; set residual to one of {', '.join(T.RESIDUALS)}")
+        raise StudyError(f"{where}: variant {vname!r} {said}; set residual to one of {', '.join(RESIDUALS)}")
     options = checked_options(options, f"{where}: variant {vname!r}")
     if sweep and sweep[0] in options:
         raise StudyError(f"{where}: variant {vname!r} sets {sweep[0]}, which [sweep] sweeps; drop one of the two")
@@ -220,7 +207,7 @@ def cross(study, out):
     """Every Run of the study (sweep value x variant x seed), its TrainConfig built and checked; runs of
     a variant the sweep does not apply to appear at every value with one out_dir. Refuses two variants that
     would train the same model with the same settings."""
-    import compare as C
+    from workbench import compare as C
     out = Path(out)
     runs, seen = [], {}
     for value in (study.sweep[1] if study.sweep else [None]):
@@ -229,12 +216,12 @@ def cross(study, out):
             base = {k: v for k, v in study.train.items() if options["residual"] != "baseline" or k not in ROUTING_ONLY}
             kw = {**base, **options, **({study.sweep[0]: value} if swept else {})}
             if kw.get("n_route_blocks") == EVERY_SUBLAYER:
-                kw["n_route_blocks"] = 2 * kw.get("n_layer", T.make_config(study.preset).n_layer)
+                kw["n_route_blocks"] = 2 * kw.get("n_layer", O.make_config(study.preset).n_layer)
             folder = out / f"{study.sweep[0]}={value_label(value)}" if swept else out
             at = f" at {study.sweep[0]}={value_label(value)}" if swept else ""
             for seed in study.seeds:
                 try:
-                    cfg = T.make_config(study.preset, **kw, seed=seed, out_dir=str(folder / f"{vname}-s{seed}"))
+                    cfg = O.make_config(study.preset, **kw, seed=seed, out_dir=str(folder / f"{vname}-s{seed}"))
                 except DeltaGPTError as e:
                     raise StudyError(f"variant {vname!r}{at}: {e}") from None
                 runs.append(Run(vname, value, seed, cfg))
@@ -254,7 +241,7 @@ def claim_folder(study, out, overwrite=False, write=True):
     out = Path(out)
     path = out / "study.json"
     mine = json.loads(json.dumps(study.definition()))  # as it reads back
-    T.check_folder(out, "--out")
+    check_folder(out, "--out")
     theirs = sorted(p.name for p in out.iterdir()) if out.is_dir() and not path.exists() else []
     if theirs and "compare.json" not in theirs and not overwrite:  # not a study's, nor an older compare's
         shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
@@ -286,7 +273,7 @@ def conflicts(theirs, mine):
     shared = set(theirs["variants"]) & set(mine["variants"])
 
     def parts(d):
-        train = {k: v for k, v in d["train"].items() if k not in T.BOOKKEEPING_FIELDS}  # --threads 1 is no other study
+        train = {k: v for k, v in d["train"].items() if k not in O.BOOKKEEPING_FIELDS}  # --threads 1 is no other study
         return dict(preset=d["preset"], train=train, reference=d["reference"], sweep=list(d["sweep"] or {}),
                     variants={k: v for k, v in d["variants"].items() if k in shared})
     return differences(parts(theirs), parts(mine))

@@ -1,0 +1,238 @@
+"""Options: train.py's TrainConfig fields as command-line options, presets, and one clear error for a bad value.
+
+    cfg = make_config("cpu", residual="delta", max_iters=100)   # checked
+    cfg = config_from_args(["--residual", "delta", "--resume"])  # what `python train.py ...` does
+"""
+import difflib
+import re
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+
+from delta_gpt import GPT2_MODELS, GPTConfig, ROUTING_FIELDS
+from workbench.errors import ConfigError, DeltaGPTError
+
+MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name != "vocab_size")  # the TrainConfig fields that build GPTConfig
+ROUTE_FIELDS = ("residual", *ROUTING_FIELDS)  # --init-from may change these
+ARCH_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "fast_routing"))  # fixed once trained
+BOOKKEEPING_FIELDS = ("out_dir", "resume", "overwrite", "progress", "eval_only", "threads", "keep_freed_memory",
+                      "log_interval", "ckpt_interval", "wandb_project", "wandb_run_name")  # change no number of a run
+PROCESS_FIELDS = ("device", "threads", "keep_freed_memory")  # what system.apply_process_settings reads
+
+
+def knobs():
+    """(TrainConfig, PRESETS) from train.py, imported when first needed (train.py imports this module)."""
+    import train
+    return train.TrainConfig, train.PRESETS
+
+
+def default_preset():
+    return "cpu" if not torch.cuda.is_available() else "shakespeare_char"
+
+
+def make_config(preset=None, **overrides):
+    """TrainConfig from a named preset plus field overrides; bad names and values raise ConfigError."""
+    cfg = preset_config(preset, **overrides)
+    check_config(cfg)
+    return cfg
+
+
+def preset_config(preset=None, **overrides):
+    """make_config's TrainConfig before its values are checked (unknown names and presets are refused)."""
+    TrainConfig, presets = knobs()
+    preset = preset or default_preset()
+    if preset not in presets:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(presets)}")
+    unknown = set(overrides) - {f.name for f in fields(TrainConfig)}
+    if unknown:
+        raise ConfigError(f"unknown TrainConfig field(s) {', '.join(sorted(unknown))}")
+    if overrides.get("resume") and overrides.get("init_from", "scratch") != "scratch":
+        raise ConfigError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
+    return replace(TrainConfig(), **{**presets[preset], **overrides, "preset": preset})
+
+
+def resume_config(preset=None, **overrides):
+    """The config of the run in out_dir (from its last.pt) with `overrides` on top, for --resume; another
+    architecture is refused, naming the options given and the run's values."""
+    from workbench.checkpoint import load_checkpoint
+    TrainConfig, _ = knobs()
+    out_dir = out_dir_of(preset_config(preset, **{**overrides, "resume": True}))
+    ckpt = load_checkpoint(Path(out_dir) / "last.pt", mmap=True)
+    names = {f.name for f in fields(TrainConfig)}
+    saved = replace(TrainConfig(), **{k: v for k, v in ckpt["config"].items() if k in names})
+    if preset is not None and preset != saved.preset:
+        raise ConfigError(f"--preset {preset} differs from the run's preset {saved.preset}; a resumed run keeps its preset")
+    has = model_config(saved, vocab_size=1)  # the run's architecture, each mode's defaults filled in
+    changed = [f"--{flag(k)} {v} (the run has {getattr(has, k) if getattr(has, k) is not None else 'none'})"
+               for k, v in overrides.items() if k in ARCH_FIELDS and v != getattr(has, k)]
+    if changed:
+        raise ConfigError(f"cannot resume {out_dir} with another architecture: {'; '.join(changed)}; "
+                          f"leave these out, or train a new run in another --out-dir")
+    # the saved init_from only records where the run began: its weights now come from last.pt
+    cfg = replace(saved, **{**overrides, "resume": True})
+    check_config(cfg)
+    return cfg
+
+
+def out_dir_of(cfg):
+    return cfg.out_dir or f"runs/{cfg.preset}-{cfg.residual}"
+
+
+def flag(name):
+    return name.replace("_", "-")
+
+
+def at_least_one(**options):
+    """ConfigError naming the first option (by its field name) whose value is below 1."""
+    for name, value in options.items():
+        if value < 1:
+            raise ConfigError(f"--{flag(name)} must be at least 1, got {value}")
+
+
+def check_config(cfg):
+    """One clear ConfigError for a bad value or combination; GPTConfig checks the model fields."""
+    at_least_one(**{name: getattr(cfg, name) for name in ("batch_size", "gradient_accumulation_steps",
+                                                          "eval_interval", "eval_iters", "log_interval", "ckpt_interval")})
+    for name in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{flag(name)} must not be negative, got {getattr(cfg, name)}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {cfg.threads}")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume continues the run in out_dir and --overwrite deletes it; give one of them")
+    if cfg.device != "auto":
+        try:
+            torch.device(cfg.device)
+        except RuntimeError:
+            raise ConfigError(f"--device {cfg.device!r} is unknown; choose auto, cpu, cuda, cuda:N or mps") from None
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {cfg.dtype!r} is unknown; choose auto, float32, bfloat16 or float16")
+    if cfg.fsdp:
+        from torch.distributed import fsdp
+        if not hasattr(fsdp, "fully_shard"):  # public since PyTorch 2.6
+            raise ConfigError(f"--fsdp needs PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard, PyTorch 2.6 or "
+                              f"newer); this is {torch.__version__}: upgrade torch or train with DDP")
+        if cfg.dtype == "float16":
+            raise ConfigError("--fsdp shards gradients, which float16's gradient scaler cannot unscale; "
+                              "use --dtype bfloat16 (or float32)")
+    if cfg.init_from in GPT2_MODELS and cfg.block_size > 1024:
+        raise ConfigError(f"--init-from {cfg.init_from} has 1024 positions; use --block-size 1024 or less")
+    if cfg.wandb_run_name is not None and not cfg.wandb_project:
+        raise ConfigError("--wandb-run-name names a Weights & Biases run: add --wandb-project NAME")
+    if cfg.wandb_project:
+        from workbench.rundir import import_wandb
+        import_wandb()  # a missing package is one line now, not after the model is built
+    if cfg.eval_only and not cfg.resume and cfg.init_from == "scratch":
+        raise ConfigError("--eval-only evaluates a trained model: add --resume (out_dir/last.pt) or --init-from PATH")
+    model_config(cfg, vocab_size=1)  # GPTConfig checks the model fields
+
+
+def gpt_config(**fields_):
+    """GPTConfig(**fields_), its ValueError for a bad field turned into a ConfigError."""
+    try:
+        return GPTConfig(**fields_)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def model_config(cfg, vocab_size):
+    return gpt_config(vocab_size=vocab_size, **{k: getattr(cfg, k) for k in MODEL_FIELDS})
+
+
+def as_typed(message):
+    """A message in command-line words: GPTConfig's n_route_blocks=3 becomes --n-route-blocks 3."""
+    names = "|".join(sorted(MODEL_FIELDS, key=len, reverse=True))
+    message = re.sub(rf"(?<![\w*/.-])({names})=('?)([^\s;,')]*)\2", lambda m: f"--{flag(m[1])} {m[3]}", message)
+    return re.sub(rf"(?<![\w*/.-])({names})\b(?!=)", lambda m: f"--{flag(m[1])}", message)
+
+
+def parse_args(argv):
+    """['--residual', 'delta', '--max-iters=100', '--no-compile', ...] -> (preset, overrides).
+    Raises ConfigError naming an unknown option (with the closest match) or a value of the wrong type."""
+    TrainConfig, _ = knobs()
+    types = {f.name: str(f.type) for f in fields(TrainConfig)}
+    overrides, argv = {}, list(argv)
+    while argv:
+        arg = argv.pop(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --max-iters 100")
+        name, _, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        negated = name.startswith("no_") and name[3:] in types
+        key = name[3:] if negated else name
+        kind = types.get(key)
+        if kind is not None and "bool" in kind and not value:  # --flag / --no-flag, or --flag true
+            if not negated and argv and argv[0].lower() in ("true", "false", "1", "0", "yes", "no"):
+                value = argv.pop(0)
+            else:
+                overrides[key] = not negated
+                continue
+        if key not in types:
+            close = difflib.get_close_matches(key, list(types), n=1)
+            hint = f"; did you mean --{flag(close[0])}?" if close else ""
+            raise ConfigError(f"unknown option --{flag(key)}{hint} (see `python cli.py train --help`)")
+        if not value:
+            if not argv:
+                raise ConfigError(f"--{flag(key)} needs a value")
+            value = argv.pop(0)
+        overrides[key] = convert(key, kind, value)
+    return overrides.pop("preset", None), overrides
+
+
+def convert(key, kind, value):
+    if value.lower() == "none" and "Optional" in kind:
+        return None
+    try:
+        if "bool" in kind:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return value.lower() in ("true", "1", "yes")
+        if "int" in kind:
+            return int(value)
+        if "float" in kind:
+            return float(value)
+        return value
+    except ValueError:
+        expected = "true or false" if "bool" in kind else "an integer" if "int" in kind else "a number"
+        raise ConfigError(f"--{flag(key)} expects {expected}, got {value!r}") from None
+
+
+def options_help():
+    """Every TrainConfig field as an option with its help and the cpu preset's value (`--help`)."""
+    TrainConfig, presets = knobs()
+    defaults = TrainConfig()
+    lines = [f"  --{flag(f.name):<27} {f.metadata['help']} [cpu: {getattr(defaults, f.name)}]" for f in fields(TrainConfig)]
+    return ("Training options: any TrainConfig field, as --field VALUE, --field=VALUE or --flag / --no-flag.\n\n"
+            "\b\n" + "\n".join(lines) + f"\n\nPresets: {', '.join(presets)} (default: cpu without CUDA, "
+            "shakespeare_char with it).")
+
+
+def config_from_args(argv):
+    """The TrainConfig a command line asks for: a fresh run, or with --resume the run in out_dir."""
+    preset, overrides = parse_args(argv)
+    try:
+        return resume_config(preset, **overrides) if overrides.get("resume") else make_config(preset, **overrides)
+    except ConfigError as e:
+        raise ConfigError(as_typed(str(e))) from None
+
+
+def main(argv=None):
+    """`python train.py ...`: parse options, train, and turn bad input into one line and exit 1 (130 when interrupted)."""
+    import train
+    from workbench.system import apply_process_settings
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print("usage: python train.py [--preset P] [--FIELD VALUE ...]   (or python cli.py train ...)\n")
+        print(options_help().replace("\b\n", ""))
+        return
+    try:
+        cfg = config_from_args(argv)
+        apply_process_settings(cfg)
+        train.train(cfg)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except DeltaGPTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,337 @@
+"""The run directory: an OS lock for the run, refusals that keep other runs' files, metrics.jsonl and
+config.json (and W&B), the progress bar or lines, and the stop flag that turns a signal into a checkpoint."""
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from workbench.errors import ConfigError, TrainError
+
+RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.json")  # what a run writes in its directory
+
+
+def check_folder(folder, option):
+    """Refuse a folder that is a file or lies under one (before anything is computed, not when writing)."""
+    folder = Path(folder)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"{option} {folder}: {existing} is a file, not a folder; choose another {option}")
+
+
+def refuse_to_replace(out, force, inputs=()):
+    """Refuse to write `out` over one of `inputs` (always), over an existing file (unless force), or under a file."""
+    out = Path(out)
+    check_folder(out.parent, "--out")
+    if any(Path(p).exists() and out.exists() and out.samefile(p) for p in inputs):
+        raise ConfigError(f"--out {out} is the input checkpoint itself; write the result to another path")
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file path such as {out / 'converted.pt'}")
+    if out.exists() and not force:
+        raise ConfigError(f"{out} already exists; pass --force to replace it, or choose another --out")
+
+
+def check_same_data(out_dir, meta, way_out):
+    """Refuse to go on with a run whose dataset was prepared again from other text (config.json records its hash)."""
+    try:
+        then = json.loads((Path(out_dir) / "config.json").read_text())["dataset"].get("content_hash")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no record (or an unreadable one)
+        return
+    if then and meta.get("content_hash") and then != meta["content_hash"]:
+        raise ConfigError(f"{out_dir} holds a run trained on dataset {meta.get('name')} as it was before it was "
+                          f"prepared again from other text (its content hash differs); {way_out}")
+
+
+def lock_holder(out_dir):
+    """The process id holding out_dir/run.lock (a run training there now), or None."""
+    try:
+        import fcntl
+        with open(Path(out_dir) / "run.lock") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return f.read().strip() or "unknown"
+    except (ImportError, OSError):
+        pass
+    return None
+
+
+def why_no_checkpoint(path):
+    """Why a run's checkpoint is not there: the run is still before its first, it stopped before it, or no such run."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path.parent / "config.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"checkpoint {path} does not exist"
+    holder = lock_holder(path.parent)
+    first = f"step {cfg.get('ckpt_interval')} (--ckpt-interval)" if path.name == "last.pt" else "its first evaluation that improves"
+    if holder:
+        return (f"checkpoint {path} does not exist yet: the run in {path.parent} is still training (process {holder}) and "
+                f"writes it at {first}; wait for it")
+    return (f"checkpoint {path} does not exist: the run in {path.parent} stopped before writing it; start it again "
+            f"with --overwrite (or in another --out-dir)")
+
+
+def claim_run_dir(cfg, master):
+    """(the resume checkpoint or None, the settings a resume changes); a fresh run over another is refused unless
+    --overwrite, which deletes the old run's files."""
+    from workbench.checkpoint import load_checkpoint
+    out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "last.pt"
+    if cfg.resume:
+        ckpt = load_checkpoint(ckpt_path, mmap=True)  # read lazily: under FSDP only rank 0 reads the weights
+        changed = {k: (v, getattr(cfg, k)) for k, v in ckpt["config"].items()
+                   if hasattr(cfg, k) and getattr(cfg, k) != v and k != "resume"}
+        if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
+            raise ConfigError(f"the run in {out_dir} has already reached --max-iters {cfg.max_iters} (it is at step "
+                              f"{ckpt['iter_num']}); raise --max-iters to train it further")
+        if master and changed:
+            print("resuming with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        return ckpt, changed
+    if cfg.eval_only:
+        return None, {}
+    existing = [f for f in RUN_FILES if (out_dir / f).exists()]
+    if existing and not cfg.overwrite:
+        resume = "pass --resume to continue it, " if "last.pt" in existing else "it wrote no checkpoint to resume; pass "
+        raise ConfigError(f"{out_dir} already holds a run ({', '.join(existing)}); {resume}--overwrite to start over "
+                          f"(deleting it), or another --out-dir")
+    init = Path(cfg.init_from)
+    if cfg.overwrite and init.exists() and init.resolve().parent == out_dir.resolve():
+        raise ConfigError(f"--init-from {cfg.init_from} is inside {out_dir}, which --overwrite would clear; "
+                          f"copy it elsewhere first or choose another --out-dir")
+    if cfg.overwrite and master:  # the old run's files must not be resumed or read by mistake
+        for old in RUN_FILES:
+            (out_dir / old).unlink(missing_ok=True)
+    return None, {}
+
+
+class RunLock:
+    """An OS lock on out_dir/run.lock for the whole run, so two trainings never write one run directory; the
+    kernel drops it however the process ends. A run that fails to start (held_on_error) leaves the folder as found."""
+
+    def __init__(self, out_dir, active):
+        self.path, self.file, self.made, self.before = Path(out_dir) / "run.lock", None, [], None
+        if not active:
+            return
+        try:
+            import fcntl
+        except ImportError:  # not a POSIX system: no lock
+            return
+        self.made = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]  # deepest first
+        if self.path.is_file():
+            self.before = self.path.read_text(errors="replace")
+            if self.before.strip() and not self.before.strip().isdigit():
+                raise TrainError(f"{self.path} is not a run lock that delta-gpt wrote; move it away, or choose "
+                                 f"another --out-dir")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "unknown"
+            self.release()
+            raise TrainError(f"{out_dir} is in use by another training run (process {holder}); wait for it to "
+                             f"finish, stop it, or choose another --out-dir") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"{os.getpid()}\n")
+        self.file.flush()
+
+    @contextlib.contextmanager
+    def held_on_error(self):
+        """On an error: release the lock, put back the lock file's old content or remove it, and the folders it made."""
+        try:
+            yield
+        except BaseException:
+            if self.file is not None:
+                if self.before is not None:
+                    self.file.seek(0)
+                    self.file.truncate()
+                    self.file.write(self.before)
+                else:
+                    self.path.unlink(missing_ok=True)
+                self.release()
+                for folder in self.made:
+                    with contextlib.suppress(OSError):  # only while empty
+                        folder.rmdir()
+            raise
+
+    def release(self):
+        if self.file is not None:
+            self.file.close()  # closing drops the flock
+            self.file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class StopFlag:
+    """SIGINT/SIGTERM set a flag (the loop then checkpoints and exits); a second signal acts as usual."""
+
+    def __init__(self):
+        self.signal = None
+
+    def __enter__(self):
+        import threading
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        self.signal = signum
+        signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def jsonable(obj):
+    """obj with every non-finite float as None, so the JSON written is strict JSON (null, not NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+class RunRecord:
+    """The run directory's metrics.jsonl (one JSON object per line), config.json and, with --wandb-project, W&B."""
+
+    def __init__(self, out_dir, master, resume_step=None):
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.master = master
+        self.wandb = None
+        self.commit = git_commit()
+        if not master:
+            return
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        elif self.path.exists():  # drop lines a crash left past the checkpoint (and a torn last line)
+            keep = [l for l in self.path.read_text().splitlines() if (row := parse_row(l)) and row.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(l + "\n" for l in keep))
+            os.replace(tmp, self.path)
+
+    def write_config(self, cfg, model, meta, world_size, device, dtype):
+        info = dict(config=asdict(cfg), model_config=asdict(model.config), params=model.get_num_params(),
+                    dataset=meta, commit=self.commit,
+                    world_size=world_size, device=str(device), dtype=dtype, torch=torch.__version__)
+        (self.path.parent / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+        if cfg.wandb_project:  # a new W&B run each time train.py starts, resumed or not
+            run_dir = self.path.parent
+            self.wandb = import_wandb().init(project=cfg.wandb_project, name=cfg.wandb_run_name or run_dir.name,
+                                             config=info, dir=os.environ.get("WANDB_DIR", str(run_dir)))
+
+    def log(self, **row):
+        if self.master:
+            row = jsonable({k: v for k, v in row.items() if v is not None})
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row, allow_nan=False) + "\n")
+            if self.wandb is not None and (numbers := wandb_numbers(row)):
+                self.wandb.log(numbers, step=row["step"])
+
+    def finish(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+class Progress:
+    """A tqdm bar on a terminal, a plain line every log_interval steps without one; writes metrics.jsonl's train rows."""
+
+    def __init__(self, cfg, master, start_step, record):
+        self.cfg, self.master, self.record = cfg, master, record
+        show = master and cfg.progress
+        self.terminal = show and sys.stderr.isatty()
+        self.lines = show and not self.terminal
+        self.bar = tqdm(total=cfg.max_iters, initial=start_step, disable=not self.terminal, dynamic_ncols=True,
+                        desc=cfg.residual)
+
+    def step(self, step, loss, lr, tok_s, mfu, elapsed):
+        if not self.master:
+            return
+        postfix = dict(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+        if mfu is not None:
+            postfix["mfu"] = f"{mfu * 100:.1f}%"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+        if step % self.cfg.log_interval == 0:
+            self.record.log(kind="train", step=step, train_loss=loss, lr=lr, tokens_per_s=tok_s, elapsed=elapsed, mfu=mfu)
+            if self.lines:
+                print(f"step {step}/{self.cfg.max_iters}: " + ", ".join(f"{k} {v}" for k, v in postfix.items()), flush=True)
+
+    def write(self, line):
+        if self.master:
+            self.bar.write(line)
+
+    def close(self):
+        self.bar.close()
+
+
+def import_wandb():
+    """The wandb module, or one clear error saying how to get it."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--wandb-project needs the wandb package, which is not installed: pip install wandb==0.31.0 "
+                          "(requirements.txt's pin), or leave --wandb-project out (metrics.jsonl is written either way)") from None
+    return wandb
+
+
+def wandb_numbers(row):
+    """A metrics.jsonl row as W&B metrics: each number under KIND/NAME (nested dicts joined by '/', lists left out)."""
+    out = {}
+
+    def walk(key, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{key}/{k}", v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    for k, v in row.items():
+        if k not in ("kind", "step"):
+            walk(f"{row['kind']}/{k}", v)
+    return out
+
+
+def parse_row(line):
+    """One metrics.jsonl line as a dict, or None for a blank or torn (half-written) line; old files' NaN reads too."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def read_metrics(out_dir):
+    """The rows of a run's metrics.jsonl."""
+    path = Path(out_dir) / "metrics.jsonl"
+    return [row for l in path.read_text().splitlines() if (row := parse_row(l))] if path.exists() else []
+
+
+def git_commit():
+    try:
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None

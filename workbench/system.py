@@ -1,0 +1,86 @@
+"""Process-wide settings, set only by entry points: the device, torch's threads, malloc, TF32."""
+import ctypes
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from workbench.errors import ConfigError
+
+
+def pick_device(cfg):
+    """The device the run asks for; auto is CUDA, then MPS, then the CPU."""
+    if cfg.device != "auto":
+        return checked_device(cfg.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def checked_device(name):
+    """torch.device(name), refused in one line when this machine does not have it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is unknown; choose auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name} asks for CUDA, which this machine does not have; use --device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {name} asks for MPS, which this machine does not have; use --device cpu")
+    return device
+
+
+def cpu_has_bfloat16():
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16, AMX, Arm BF16), as Linux reports it; False if unknown."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def keep_freed_memory():
+    """Have glibc's malloc keep freed memory for the next step (no page faults each step; docs/speed.md).
+    Returns whether it took effect."""
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters, from glibc's malloc.h
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):  # no C library to ask, or one without mallopt
+        return False
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def busy_cores(seconds=0.25):
+    """How many CPU cores other work keeps busy now, from /proc/stat over `seconds` (0 where unknown)."""
+    def sample():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
+    try:
+        (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
+    except (OSError, ValueError, IndexError):
+        return 0
+    return round((1 - (i1 - i0) / max(1, t1 - t0)) * (os.cpu_count() or 1))
+
+
+def apply_process_settings(cfg):
+    """Threads (--threads, or the free cores: two jobs with all threads each run many times slower), malloc
+    on the CPU (--keep-freed-memory), TF32 on CUDA for the float32 matmuls autocast leaves (as nanoGPT)."""
+    kind = pick_device(cfg).type
+    on_cpu = kind == "cpu"
+    if kind == "cuda":
+        torch.set_float32_matmul_precision("high")  # allow tf32 on matmul
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    elif on_cpu and int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        cores, busy = torch.get_num_threads(), busy_cores()
+        if busy and cores > 1:
+            torch.set_num_threads(max(1, cores - busy))
+            print(f"note: {busy} of {cores} cores are busy; training with {torch.get_num_threads()} thread(s) "
+                  f"(--threads N to choose)", file=sys.stderr)
+    if on_cpu and cfg.keep_freed_memory:
+        keep_freed_memory()
