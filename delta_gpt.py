@@ -42,8 +42,9 @@ from torch.utils.checkpoint import checkpoint
 
 RESIDUALS = ("baseline", "attnres", "delta", "delta_block")
 ROUTE_SOURCES = ("delta", "cumulative")
+ROUTE_WEIGHTS = ("dynamic", "static")  # per-token weights from the sources, or one learned weight per source
 ROUTE_EPS = 1e-6  # RMSNorm eps of the router keys
-ROUTING_FIELDS = ("n_route_blocks", "route_partial", "route_sources")  # GPTConfig's routing options
+ROUTING_FIELDS = ("n_route_blocks", "route_partial", "route_sources", "route_weights")  # GPTConfig's routing options
 GPT2_MODELS = {  # the Hugging Face GPT-2 weights from_pretrained loads, with their shapes
     'gpt2':         dict(n_layer=12, n_head=12, n_embd=768),  # 124M params
     'gpt2-medium':  dict(n_layer=24, n_head=16, n_embd=1024), # 350M params
@@ -141,11 +142,15 @@ class Router(nn.Module):
     """Attention over depth: a sublayer's weighted read of its sources s_1..s_n (each (B, T, D)),
         alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
     per token, with no 1/sqrt(D) and no temperature. w starts at zero (uniform weights), g at one.
+    Static (the control): alpha_i = softmax_i(b_i), one learned logit per source (zero-init), the same for every token.
     Logits and softmax run in float32 (float64 in a float64 model), also under bf16/fp16 autocast.
     forward() runs only on the plain path (--no-fast-routing); by default RouteRead computes the same numbers."""
 
-    def __init__(self, n_embd):
+    def __init__(self, n_embd, static_sources=None):
         super().__init__()
+        if static_sources is not None:  # static: b, zero-init (uniform weights); no query, no keys
+            self.logits = nn.Parameter(torch.zeros(static_sources))
+            return
         self.query = nn.Parameter(torch.zeros(n_embd))  # w, zero-init: uniform weights at init
         self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # its weight is the key gain g
 
@@ -153,8 +158,11 @@ class Router(nn.Module):
         """sources: n tensors (B, T, D) -> read (B, T, D) in the first source's dtype, alpha (B, T, n)."""
         with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
             s = torch.stack([upcast(s) for s in sources], dim=-2)    # (B, T, n, D)
-            keys = F.rms_norm(s, s.shape[-1:], upcast(self.norm.weight), ROUTE_EPS)  # RMSNorm_g(s_i)
-            alpha = (keys @ upcast(self.query)).softmax(dim=-1)      # (B, T, n)
+            if hasattr(self, "logits"):
+                alpha = upcast(self.logits).softmax(dim=-1).expand(s.shape[:-1])  # (n,) -> (B, T, n)
+            else:
+                keys = F.rms_norm(s, s.shape[-1:], upcast(self.norm.weight), ROUTE_EPS)  # RMSNorm_g(s_i)
+                alpha = (keys @ upcast(self.query)).softmax(dim=-1)      # (B, T, n)
             read = (alpha.unsqueeze(-1) * s).sum(dim=-2)             # (B, T, n, 1) * (B, T, n, D) -> (B, T, D)
         return read.to(sources[0].dtype), alpha
 
@@ -232,15 +240,15 @@ class Stream:
 
 class Block(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, i=0):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
         routed = config.residual != "baseline"
-        self.attn_router = Router(config.n_embd) if routed else None
-        self.mlp_router = Router(config.n_embd) if routed else None
+        self.attn_router = make_router(config, 2 * i) if routed else None
+        self.mlp_router = make_router(config, 2 * i + 1) if routed else None
         self.recompute = False  # True: activation checkpointing, each f(LN(u)) runs again in backward
 
     def forward(self, stream, kv=None):
@@ -269,6 +277,7 @@ class GPTConfig:
     n_route_blocks: Optional[int] = None # N blocks of 2*n_layer/N sublayers; None: 4 (attnres, delta_block), 2*n_layer (delta)
     route_partial: Optional[bool] = None # route the current block's partial sum too; None: True (attnres, delta), False (delta_block)
     route_sources: Optional[str] = None # "delta" (block sums) or "cumulative" (stream snapshots); None: "delta"
+    route_weights: Optional[str] = None # "dynamic" (per token, from the sources) or "static" (a learned logit per source); None: "dynamic"
     fast_routing: bool = True # True: the fast path (the file's last section); False: Router and Stream as written. Not architecture
 
     def __post_init__(self):
@@ -296,6 +305,10 @@ class GPTConfig:
             self.route_sources = "delta"
         if self.route_sources not in ROUTE_SOURCES:
             raise ValueError(f"route_sources={self.route_sources!r} is unknown; choose one of {', '.join(ROUTE_SOURCES)}")
+        if self.route_weights is None:
+            self.route_weights = "dynamic"
+        if self.route_weights not in ROUTE_WEIGHTS:
+            raise ValueError(f"route_weights={self.route_weights!r} is unknown; choose one of {', '.join(ROUTE_WEIGHTS)}")
         N = self.n_route_blocks
         if N is None:
             N = S if self.residual == "delta" else 4
@@ -324,6 +337,21 @@ def _divisors(n):
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def sources_per_router(cfg):
+    """The number of sources each router reads, in order (the final router last): no data needed."""
+    if cfg.residual == "baseline":
+        return []
+    S, L = cfg.n_sublayers, cfg.n_sublayers // cfg.n_route_blocks
+    counts = [1 + (k - 1) // L + (1 if cfg.route_partial and (k - 1) % L else 0) for k in range(1, S + 1)]
+    return counts + ([1 + cfg.n_route_blocks] if cfg.residual == "attnres" else [])
+
+
+def make_router(config, j):
+    """Router j (in the model's order): static routing needs its number of sources, dynamic routing does not."""
+    n = sources_per_router(config)[j] if config.route_weights == "static" else None
+    return Router(config.n_embd, static_sources=n)
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -336,11 +364,11 @@ class GPT(nn.Module):
             wte = nn.Embedding(config.vocab_size, config.n_embd),
             wpe = nn.Embedding(config.block_size, config.n_embd),
             drop = nn.Dropout(config.dropout),
-            h = nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h = nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
             ln_f = LayerNorm(config.n_embd, bias=config.bias),
         ))
         if config.residual == "attnres":  # replacement routing: the output is itself a read of all sources
-            self.transformer.final_router = Router(config.n_embd)
+            self.transformer.final_router = make_router(config, config.n_sublayers)
         self.routers = [m for m in self.modules() if isinstance(m, Router)]  # in sublayer order, final last
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # with weight tying when using torch.compile() some warnings get generated:
@@ -375,6 +403,8 @@ class GPT(nn.Module):
                     torch.nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, Router) and hasattr(module, "logits"):
+                torch.nn.init.zeros_(module.logits)
             elif isinstance(module, Router):
                 torch.nn.init.zeros_(module.query)
                 torch.nn.init.ones_(module.norm.weight)
@@ -505,16 +535,11 @@ class GPT(nn.Module):
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd//cfg.n_head, cfg.block_size
         flops = 6*N + 12*L*H*Q*T
-        return flops + 3 * 4 * cfg.n_embd * sum(self.sources_per_router())
+        per_source = 2 if cfg.route_weights == "static" else 4  # the weighted sum; dynamic adds the key's dot product
+        return flops + 3 * per_source * cfg.n_embd * sum(self.sources_per_router())
 
     def sources_per_router(self):
-        """The number of sources each router reads, in order (the final router last): no data needed."""
-        cfg = self.config
-        if cfg.residual == "baseline":
-            return []
-        S, L = cfg.n_sublayers, cfg.n_sublayers // cfg.n_route_blocks
-        counts = [1 + (k - 1) // L + (1 if cfg.route_partial and (k - 1) % L else 0) for k in range(1, S + 1)]
-        return counts + ([1 + cfg.n_route_blocks] if cfg.residual == "attnres" else [])
+        return sources_per_router(self.config)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, device=None):
         """Model FLOPs utilization against the device's bf16 peak (A100 312e12; H100/H200 989e12).
@@ -613,7 +638,8 @@ class FastStream(Stream):
 
     def __init__(self, e, config, routers, record=None):
         self.routers = routers
-        self.queries = folded_queries(routers) if routers else None  # (R, D)
+        self.static = config.route_weights == "static"         # static logits need no scores
+        self.queries = folded_queries(routers) if routers and not self.static else None  # (R, D)
         self.scores = None                                     # (R, n, B, T): each source's logit for each router
         self.handed_on = []                                    # the blocks, as the last router handed them on
         self.reads = 0                                         # routers read so far
@@ -622,7 +648,8 @@ class FastStream(Stream):
     def add_block(self, s):
         super().add_block(s)
         self.handed_on.append(s)
-        self.scores = self.with_scores_of(s)
+        if not self.static:
+            self.scores = self.with_scores_of(s)
 
     def with_scores_of(self, s):
         score = Score.apply(s, self.queries).unsqueeze(1)  # (R, 1, B, T)
@@ -634,8 +661,11 @@ class FastStream(Stream):
         assert router is self.routers[self.reads], "routers must be read in the model's order"
         sources = self.sources()
         partial = sources[len(self.blocks):]  # [p] when the partial sum is routed, else []
-        scores = self.with_scores_of(partial[0]) if partial else self.scores
-        logits = scores[self.reads]                             # (n, B, T)
+        if self.static:  # one logit per source, the same for every token
+            logits = upcast(router.logits).view(-1, 1, 1).expand(len(sources), *sources[0].shape[:2])  # (n, B, T)
+        else:
+            scores = self.with_scores_of(partial[0]) if partial else self.scores
+            logits = scores[self.reads]                         # (n, B, T)
         self.reads += 1
         base = self.x if self.additive else None
         if len(sources) == 1:  # alpha = 1 whatever the logit: the read is the source itself

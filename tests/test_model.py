@@ -31,6 +31,9 @@ def model_of(config, seed=0, queries=0.0):
     if queries:
         with torch.no_grad():
             for router in model.routers:
+                if hasattr(router, "logits"):  # a static router: one logit per source
+                    router.logits.normal_(0, queries)
+                    continue
                 router.query.normal_(0, queries)
                 router.norm.weight.uniform_(0.5, 1.5)
     return model
@@ -118,24 +121,26 @@ IDENTITY_CASES = [("attnres", dict(n_route_blocks=n)) for n in (1, 2, 4, 8)] + [
 ]
 
 
+@pytest.mark.parametrize("weights", ["dynamic", "static"])
 @pytest.mark.parametrize("residual,kw", IDENTITY_CASES)
-def test_zero_init_equals_baseline(residual, kw):
+def test_zero_init_equals_baseline(residual, kw, weights):
     base = unit_gain_(model_of(tiny()))
     idx = idx_batch()
     ref, _ = base(idx)
-    routed = routed_copy(base, residual, **kw)
+    routed = routed_copy(base, residual, route_weights=weights, **kw)
     out, _ = routed(idx)
     # replacement routing feeds x/n into LN, which weighs LN eps about n^2 more (docs/method.md)
     assert rel_err(out, ref) < (1e-4 if residual == "attnres" else 5e-6)
 
 
+@pytest.mark.parametrize("weights", ["dynamic", "static"])
 @pytest.mark.parametrize("residual,kw", IDENTITY_CASES)
-def test_zero_init_exact_without_ln_eps(residual, kw):
+def test_zero_init_exact_without_ln_eps(residual, kw, weights):
     base = unit_gain_(model_of(tiny())).double()
     for m in base.modules():
         if isinstance(m, LayerNorm):
             m.eps = 0.0
-    routed = routed_copy(base, residual, **kw).double()
+    routed = routed_copy(base, residual, route_weights=weights, **kw).double()
     for m in routed.modules():
         if isinstance(m, LayerNorm):
             m.eps = 0.0
@@ -319,10 +324,11 @@ EVERY_MODE_AND_N = [("baseline", {})] + [("attnres", dict(n_route_blocks=n)) for
 ]
 
 
-@pytest.mark.parametrize("residual,kw", EVERY_MODE_AND_N)
-def test_fast_routing_equals_plain(residual, kw):
-    """Whole-model logits and every gradient, float64, fast_routing on and off."""
-    model = model_of(tiny(residual, **kw), queries=1.0).double()
+@pytest.mark.parametrize("residual,kw,weights", [(r, kw, w) for r, kw in EVERY_MODE_AND_N
+                                                   for w in (("dynamic", "static") if r != "baseline" else ("dynamic",))])
+def test_fast_routing_equals_plain(residual, kw, weights):
+    """Whole-model logits and every gradient, float64, fast_routing on and off, dynamic and static routing."""
+    model = model_of(tiny(residual, route_weights=None if residual == "baseline" else weights, **kw), queries=1.0).double()
     idx = idx_batch()
     logits, grads = logits_and_grads(model, idx)
     model.config.fast_routing = False
@@ -330,6 +336,37 @@ def test_fast_routing_equals_plain(residual, kw):
     torch.testing.assert_close(logits, logits_ref)
     for name in grads:
         torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("residual,kw", [("delta", {}), ("attnres", dict(n_route_blocks=2)), ("delta_block", {})])
+def test_static_weights_do_not_depend_on_the_input(residual, kw, fast):
+    """Static routing: each router's weights are softmax(b) for every token of every input; dynamic's are not."""
+    model = model_of(tiny(residual, route_weights="static", fast_routing=fast, **kw), queries=1.0)
+    records = []
+    for seed in (1, 2):
+        records.append([])
+        with torch.no_grad():
+            model.hidden(idx_batch(seed=seed) if seed == 1 else idx_batch(B=3, T=17, seed=seed), record=records[-1])
+    assert len(records[0]) == len(model.routers)
+    for router, (_, alpha1), (_, alpha2) in zip(model.routers, *records):
+        weights = router.logits.detach().softmax(-1)
+        assert alpha1.shape[-1] == alpha2.shape[-1] == router.logits.numel()
+        torch.testing.assert_close(alpha1, weights.expand_as(alpha1))
+        torch.testing.assert_close(alpha2, weights.expand_as(alpha2))
+    dynamic = model_of(tiny(residual, fast_routing=fast, **kw), queries=1.0)
+    record = []
+    with torch.no_grad():
+        dynamic.hidden(idx_batch(), record=record)
+    assert any(alpha.shape[-1] > 1 and not torch.allclose(alpha, alpha[:1, :1].expand_as(alpha)) for _, alpha in record)
+
+
+def test_static_routers_hold_one_logit_per_source_and_no_query():
+    model = GPT(tiny("delta_block", route_weights="static", route_partial=True))
+    assert [r.logits.numel() for r in model.routers] == model.sources_per_router()
+    assert all(not hasattr(r, "query") and not hasattr(r, "norm") for r in model.routers)
+    assert all(is_routing_key(k) for k in model.state_dict() if "logits" in k)
+    assert sum(p.numel() for p in model.route_parameters()) == sum(model.sources_per_router())
 
 
 def test_recorded_sources_get_the_plain_paths_gradients():
@@ -600,8 +637,9 @@ def test_checkpoints_of_the_previous_format_still_load(name, fast):
     with its final router), with the logits they gave then on a fixed input: they load, on either path, and
     give the same logits."""
     ckpt = CK.load_checkpoint(DATA / f"old-format-{name}.pt")
-    assert "fast_routing" not in ckpt["model_config"]
+    assert "fast_routing" not in ckpt["model_config"] and "route_weights" not in ckpt["model_config"]
     model = CK.model_from_checkpoint(ckpt).eval()
+    assert model.config.route_weights == (None if name == "baseline" else "dynamic")  # older checkpoints route dynamically
     model.config.fast_routing = fast
     expected = torch.load(DATA / "old-format-logits.pt", weights_only=True)[name]
     with torch.no_grad():
@@ -701,6 +739,8 @@ def test_estimate_mfu_is_none_on_cpu():
     (dict(n_head=3), "n_embd=64 is not divisible by n_head=3"),
     (dict(residual="attnres", n_layer=3), "n_route_blocks=4 \\(the default for this mode\\) must divide 2\\*n_layer=6"),
     (dict(fast_routing="yes"), "fast_routing='yes' must be True or False"),
+    (dict(residual="delta", route_weights="fixed"), "route_weights='fixed' is unknown; choose one of dynamic, static"),
+    (dict(residual="baseline", route_weights="static"), "route_weights is set but residual='baseline' has no routing"),
 ])
 def test_bad_config_raises(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -736,3 +736,31 @@ def test_eval_and_training_average_the_same_batches_by_default(tiny_data, tmp_pa
     last_eval = [r for r in RD.read_metrics(tmp_path / "run") if r["kind"] == "eval"][-1]
     _, loss, _ = SA.evaluate_checkpoint(tmp_path / "run" / "last.pt", eval_iters=2, batch_size=4)
     assert loss == pytest.approx(last_eval["val_loss"], abs=1e-6)
+
+
+# ---------------------------------------------------------------- the static-routing control
+
+def test_static_routing_is_recorded_as_architecture(tiny_data, tmp_path):
+    """A static run's checkpoint says so; resuming it as dynamic is refused; report shows its (token-independent) weights."""
+    T.train(cfg_for(tiny_data, tmp_path / "static", residual="delta", route_weights="static", max_iters=4))
+    ckpt = CK.load_checkpoint(tmp_path / "static" / "last.pt")
+    assert ckpt["model_config"]["route_weights"] == "static" and ckpt["config"]["route_weights"] == "static"
+    assert any(k.endswith("attn_router.logits") for k in ckpt["model"]) and not any(k.endswith("query") for k in ckpt["model"])
+    with pytest.raises(ConfigError, match="--route-weights dynamic \\(the run has static\\)"):
+        O.resume_config(out_dir=str(tmp_path / "static"), route_weights="dynamic", max_iters=8)
+    T.train(O.resume_config(out_dir=str(tmp_path / "static"), max_iters=6))
+    from workbench import report as R
+    table, _ = R.report_checkpoints([tmp_path / "static" / "last.pt"], batches=1, batch_size=2)
+    assert "delta" in table
+
+
+@pytest.mark.slow  # two subprocesses
+def test_bad_route_weights_are_one_line_before_any_work(tiny_data, tmp_path):
+    for argv, said in ((["--residual", "delta", "--route-weights", "fixed"],
+                        "--route-weights fixed is unknown; choose one of dynamic, static"),
+                       (["--residual", "baseline", "--route-weights", "static"],
+                        "--route-weights is set but --residual baseline has no routing; leave --route-weights unset "
+                        "or choose attnres, delta or delta_block")):
+        r = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, "--out-dir", str(tmp_path / "x")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and r.stderr.strip() == f"error: {said}" and not (tmp_path / "x").exists(), r.stderr

@@ -67,8 +67,14 @@ def dataset_info(meta, name):
     return dict(name=name, tokenizer=meta.get("tokenizer"), vocab_size=meta.get("vocab_size"), chars=meta.get("chars"))
 
 
+def filled(saved):
+    """A checkpoint's model config with today's defaults filled in (older checkpoints lack newer fields)."""
+    return asdict(gpt_config(**saved))
+
+
 def routing_changed(saved, config):
     """Whether GPTConfig `config` routes otherwise than the checkpoint's model config `saved` (its routing then does not apply)."""
+    saved = filled(saved)
     return any(getattr(config, k) != saved.get(k) for k in ROUTE_FIELDS)
 
 
@@ -89,6 +95,7 @@ def model_from_checkpoint(ckpt, **override):
 
 def arch_diff(old, new, keys=ARCH_FIELDS):
     """The architecture fields whose values differ between two model-config dicts, for messages."""
+    old = filled(old)
     return [f"{k} ({old.get(k)!r} in the checkpoint, {new.get(k)!r} now)" for k in keys if old.get(k) != new.get(k)]
 
 
