@@ -166,11 +166,11 @@ def convert(
 
 
 class BenchHelp(typer.core.TyperCommand):
-    """The bench command, whose --help lists bench.py's own options (one parser for both entry points)."""
+    """The bench command, whose --help lists workbench/bench.py's own options (one parser for both entry points)."""
 
     def format_epilog(self, ctx, formatter):
         from workbench import bench as B
-        self.epilog = "Options (as python bench.py takes them):\n\n\b\n" + B.options_help()
+        self.epilog = "Options (as python -m workbench.bench takes them):\n\n\b\n" + B.options_help()
         super().format_epilog(ctx, formatter)
 
 
@@ -246,7 +246,7 @@ def plan(
 
     Takes the train options (--preset, --residual, --batch-size, --block-size, --fsdp,
     --activation-checkpointing, --dtype, ...). Activations are the model's own saved tensors, measured
-    on the CPU at small sizes and scaled (see plan.py). Nothing is trained and no GPU is needed.
+    on the CPU at small sizes and scaled (see docs/scaling.md). Nothing is trained and no GPU is needed.
     """
     from workbench import plan as P
     from workbench.options import as_typed, make_config, parse_args

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 import train
 from delta_gpt import GPT, GPTConfig, RESIDUALS, LayerNorm, Router, RouteRead, Score, folded_queries, is_routing_key
 from workbench import checkpoint as CK
+from workbench.bench import saved_bytes  # bytes autograd saves for backward, each storage once, parameters left out
 
 VOCAB = 61
 ROUTED = [m for m in RESIDUALS if m != "baseline"]
@@ -90,24 +91,6 @@ def router_inputs(n=3, B=2, T=3, D=8, dtype=torch.float64):
         router.norm.weight.uniform_(0.5, 1.5)
     sources = [(torch.randn(B, T, D, dtype=dtype) * (i + 1)).requires_grad_() for i in range(n)]
     return router, sources
-
-
-def saved_bytes(model, idx):
-    """Bytes of the tensors autograd saves for backward in one forward+backward, each storage once,
-    parameters left out."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _, loss = model(idx, idx)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return sum(seen.values())
 
 
 # ---------------------------------------------------------------- zero-init: the routed modes compute the baseline
