@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 
 import cli
 import data
-import train as T
 from conftest import ROOT
 from workbench import checkpoint as CK, report as R, rundir as RD
 from workbench.errors import ConfigError

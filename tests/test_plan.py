@@ -7,7 +7,6 @@ import torch
 
 from workbench import bench
 from workbench import plan as P
-import train as T
 from delta_gpt import GPT
 from test_cli import ok, refused
 from workbench import options as O
