@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 import torch
 
@@ -92,6 +93,18 @@ def test_draw_curves_writes_a_picture_with_a_title(tmp_path):
     report.draw_curves(curves, tmp_path / "curves.png", title="cpu preset, tiny, seeds 1, 2")
     report.draw_curves(curves, tmp_path / "untitled.png")
     assert (tmp_path / "curves.png").stat().st_size > 10_000 and (tmp_path / "untitled.png").exists()
+    # with each point's wall time, a third panel: the loss against wall time
+    timed = {k: [[(step, v, 6.0 * step) for step, v in pts] for pts in seeds] for k, seeds in curves.items()}
+    report.draw_curves(timed, tmp_path / "timed.png")
+    assert matplotlib.image.imread(tmp_path / "timed.png").shape[1] > 1.4 * matplotlib.image.imread(tmp_path / "curves.png").shape[1]
+
+
+def test_a_sweep_of_one_variant_draws_one_curves_picture(tmp_path):
+    summaries = [dict(variant="baseline", sweep=n, seed=1, val_loss=3.0 - n / 10, tokens_per_s=100.0 / n, params=n, elapsed=5.0 * n,
+                      curve=[(0, 4.0, 0.0), (10, 3.0 - n / 10, 5.0 * n)]) for n in (4, 8)]
+    rows = report.study_rows(summaries, "baseline", "n_layer")
+    written = report.draw_study(rows, summaries, "baseline", "n_layer", tmp_path, title="pilot")
+    assert tmp_path / "curves.png" in written and not list(tmp_path.glob("curves-*.png"))
 
 
 @pytest.mark.slow

@@ -201,14 +201,26 @@ def compare_rows(runs, reference="baseline"):
 
 
 def draw_curves(curves, path, title=None):
-    """curves: {mode: [[(step, val_loss), ...] per seed]} -> validation loss against step, the mean over
-    seeds bold and each seed thin; the right panel zooms on the second half of training. title: the
-    figure's title (the caller names what was run: preset, dataset, seeds)."""
+    """curves: {label: [[(step, val_loss, elapsed s or None), ...] per seed]} -> validation loss against step (the
+    mean over seeds bold, each seed thin), the second half zoomed, and, where every point has its time, against
+    wall time. title: the figure's title (the caller names what was run: preset, dataset, seeds)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no screen
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax in axes:
+    timed = all(len(p) == 3 and p[2] is not None for seeds in curves.values() for pts in seeds for p in pts)
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(18 if timed else 12, 4.8))
+    if timed:
+        for i, (mode, seeds) in enumerate(curves.items()):
+            for k, points in enumerate(seeds):
+                axes[2].plot([t / 60 for *_, t in points], [v for _, v, _ in points], color=f"C{i}", lw=1.5,
+                             marker="o", ms=2, label=mode if k == 0 else None)
+        axes[2].set_xlabel("wall time (minutes, each run's own)")
+        axes[2].set_ylabel("validation loss")
+        axes[2].set_title("against wall time")
+        axes[2].grid(alpha=0.3)
+        axes[2].legend(fontsize=8)
+    curves = {mode: [[(step, v) for step, v, *_ in pts] for pts in seeds] for mode, seeds in curves.items()}
+    for ax in axes[:2]:
         for i, (mode, seeds) in enumerate(curves.items()):
             color = f"C{i}"
             for points in seeds:
@@ -367,13 +379,20 @@ def study_notes(reference):
 def draw_study(rows, summaries, reference, option, out, title=None):
     """The study's pictures in folder out; returns their paths. With a sweep: loss.png (val loss ± std, and
     the paired difference to the reference ± standard error, against the swept option) and sharpness.png
-    (max weight and entropy against it, routed variants); always the curves, one picture per sweep value."""
+    (max weight and entropy against it, routed variants); always the curves: one picture per sweep value, or
+    one picture with a line per value when the study has one variant."""
     out, written = Path(out), []
-    for value in dict.fromkeys(s["sweep"] for s in summaries):
+    if option is not None and len({s["variant"] for s in summaries}) == 1:  # one variant: its values side by side
+        curves = {}
+        for s in summaries:
+            curves.setdefault(f"{option} = {s['sweep']}", []).append(s["curve"])
+        draw_curves(curves, out / "curves.png", title)
+        written.append(out / "curves.png")
+    for value in dict.fromkeys(s["sweep"] for s in summaries) if not written else ():
         curves = {}
         for s in summaries:
             if s["sweep"] == value:
-                curves.setdefault(s["variant"], []).append([(step, v) for step, v, _ in s["curve"]])
+                curves.setdefault(s["variant"], []).append(s["curve"])
         path = out / ("curves.png" if option is None else f"curves-{option}={value}.png")
         draw_curves(curves, path, title if option is None else f"{title}; {option} = {value}")
         written.append(path)
