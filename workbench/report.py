@@ -436,7 +436,8 @@ def draw_sweep(rows, option, panels, path, deep=False, title=None):
         ax.set_xlabel(option)
         ax.set_ylabel(label + (" (dashed: deeper half)" if deep else ""))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a study of the reference alone has no difference to draw
+            ax.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
