@@ -275,7 +275,7 @@ def main_cuda(args, modes):
 
 def parser(prog=None):
     """bench's options (python -m workbench.bench and python cli.py bench both parse with it)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1].strip(),
+    ap = argparse.ArgumentParser(prog=prog or "python -m workbench.bench", description=__doc__.split("\n\n")[1].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="all", help=f"{', '.join(CONFIGS)} or all (CPU); on CUDA: {', '.join(CUDA_CONFIGS)} "
                     f"(context 1024) or all")

@@ -357,7 +357,7 @@ def header():
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+    ap = argparse.ArgumentParser(prog="python -m workbench.gpu_check", description=__doc__.split("\n\n")[0].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "gpu-check", help="folder for the table and the logs")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "gpu-check", help="folder for the training runs")
