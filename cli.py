@@ -158,8 +158,8 @@ def convert(
 ):
     """A routed checkpoint from a baseline one, routing at zero init; prints the val loss before and after."""
     import sample as S
-    before, after, config = S.convert_checkpoint(ckpt, out, residual, n_route_blocks, route_partial, eval_iters,
-                                                 batch_size, data_dir, force)
+    before, after, _ = S.convert_checkpoint(ckpt, out, residual, n_route_blocks, route_partial, eval_iters,
+                                            batch_size, data_dir, force)
     typer.echo(f"val loss: baseline {before:.6f}, {residual} {after:.6f} (change {after - before:+.2e}; each the "
                f"mean of {eval_iters} fixed validation batches)")
     typer.echo(f"wrote {out}")
@@ -249,14 +249,8 @@ def plan(
     on the CPU at small sizes and scaled (see docs/scaling.md). Nothing is trained and no GPU is needed.
     """
     from workbench import plan as P
-    from workbench.options import as_typed, make_config, parse_args
-    from workbench.errors import ConfigError
-    preset, overrides = parse_args(ctx.args)
-    try:
-        cfg = make_config(preset, **overrides)
-    except ConfigError as e:
-        raise ConfigError(as_typed(str(e))) from None
-    typer.echo(P.report(cfg, nproc, gpu_memory, vocab_size))
+    from workbench.options import config_from_args
+    typer.echo(P.report(config_from_args(ctx.args), nproc, gpu_memory, vocab_size))
 
 
 if __name__ == "__main__":

@@ -240,7 +240,7 @@ class Stream:
 
 class Block(nn.Module):
 
-    def __init__(self, config, i=0):
+    def __init__(self, config, i):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)

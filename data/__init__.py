@@ -9,10 +9,9 @@
 Datasets live in data/<name>/ as train.bin, val.bin and meta.json (see data/dataset.py);
 tokenizers are in data/tokenizer.py, batches in data/batches.py. Every bad input raises DataError with a one-line message.
 """
-from .dataset import (DATASETS, DEFAULT_DATA_DIR, Dataset, Prepared, describe, load, load_or_prepare, prepare,
-                      prepared_meta, prepare_dataset,
-                      token_dtype)
 from .batches import batch_starts, eval_batch, get_batch
+from .dataset import (DATASETS, DEFAULT_DATA_DIR, Dataset, Prepared, describe, load, load_or_prepare, prepare,
+                      prepare_dataset, prepared_meta, token_dtype)
 from .tokenizer import CharTokenizer, DataError, GPT2Tokenizer, get_tokenizer, gpt2_encoding
 
 __all__ = ["DATASETS", "DEFAULT_DATA_DIR", "DataError", "Dataset", "Prepared", "prepare", "prepare_dataset", "describe",

@@ -145,7 +145,6 @@ def load(name: str, *, data_dir=DEFAULT_DATA_DIR, block_size=None) -> Dataset:
     return Dataset(name=name, path=path, meta=meta, train=train, val=val)
 
 
-
 def load_or_prepare(name: str, *, data_dir=None, block_size=None) -> Dataset:
     """load(), preparing the default dataset (shakespeare_char, shipped with the code) on its first use."""
     data_dir = data_dir or DEFAULT_DATA_DIR
