@@ -39,7 +39,7 @@ def read_prompt(prompt=None, prompt_file=None, default="\n"):
             prompt = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(f"prompt file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                                f"{e.start}); save it as UTF-8") from None
+                              f"{e.start}); save it as UTF-8") from None
     if prompt is None:
         prompt = default
     if prompt == "":

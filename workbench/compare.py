@@ -63,14 +63,14 @@ def run_state(cfg, overwrite=False):
                          run_settings(cfg))
     if diff:
         raise ConfigError(f"{cfg.out_dir} holds a run with other settings: {'; '.join(diff)}; choose another "
-                            f"--out, or pass --overwrite to train it again")
+                          f"--out, or pass --overwrite to train it again")
     midway = changed_midway(cfg.out_dir)
     if midway:
         raise ConfigError(f"{cfg.out_dir} holds a run resumed with other settings ({'; '.join(midway)}), not one "
-                            f"run with the settings asked for; choose another --out, or pass --overwrite to train "
-                            f"it again")
+                          f"run with the settings asked for; choose another --out, or pass --overwrite to train "
+                          f"it again")
     check_same_data(cfg.out_dir, data.prepared_meta(cfg.dataset, cfg.data_dir) or {},  # not prepared (yet): training deals with it
-                      "choose another --out, or pass --overwrite to train it again")
+                    "choose another --out, or pass --overwrite to train it again")
     if step is None:  # started with these settings but stopped before its first checkpoint
         return "restart", 0
     if step >= cfg.max_iters:

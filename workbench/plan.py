@@ -273,7 +273,7 @@ def report(cfg, nproc=1, gpu_memory=None, vocab=None):
         raise ConfigError(f"--vocab-size must be at least 1, got {vocab}")
     if cfg.gradient_accumulation_steps % nproc:
         raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple of "
-                         f"--nproc {nproc} (train.py divides the micro-steps among the GPUs)")
+                          f"--nproc {nproc} (train.py divides the micro-steps among the GPUs)")
     vocab = vocab or vocab_size(cfg)
     lines = table(cfg, vocab, nproc)
     if gpu_memory is not None:

@@ -269,7 +269,7 @@ def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, 
         model, ckpt = load_model(path)
         if model.config.residual == "baseline":
             raise ConfigError(f"{path} is a baseline model: it has no routing to report; train or convert a routed "
-                                f"one (--residual attnres, delta or delta_block)")
+                              f"one (--residual attnres, delta or delta_block)")
         loaded.append((path, model, checkpoint_dataset(ckpt, path, data_dir=data_dir)))
     reports = []
     for path, model, ds in loaded:
