@@ -17,7 +17,7 @@ from typing import List, Optional
 import typer
 import typer.core
 
-from workbench.errors import DeltaGPTError
+from workbench.errors import ConfigError, DeltaGPTError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
@@ -196,6 +196,7 @@ def compare(
     out: Optional[Path] = typer.Option(None, "--out", help="folder for the runs, compare.json/.md and the pictures [default: runs/compare, or runs/STUDY for --study FILE]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="train every run again, even finished ones in --out"),
     dry_run: bool = typer.Option(False, "--dry-run", help="check everything and print the plan and time estimate; train nothing"),
+    jobs: int = typer.Option(1, "--jobs", help="runs trained at a time, each in its own process with cores / N threads (--threads to choose) and its output in train.log in its run directory"),
 ):
     """Train each variant and seed on the same batches, then tabulate val loss, the paired difference to the
     reference, routing sharpness and speed.
@@ -206,12 +207,14 @@ def compare(
     unfinished ones resumed when their recorded settings match the ones asked for (otherwise the command
     refuses, naming them), so an interrupted compare continues where it stopped.
     """
+    if jobs < 1:
+        raise ConfigError(f"--jobs {jobs} must be at least 1 (the runs trained at a time)")
     from workbench import compare as C
     from workbench.system import apply_process_settings
     plan = C.study_of(study, residual, seeds, ctx.args)
     apply_process_settings(C.process_config(plan))
     out = out or Path("runs") / plan.name
-    table = C.run_study(plan, out, overwrite, typer.echo, dry_run)
+    table = C.run_study(plan, out, overwrite, typer.echo, dry_run, jobs)
     if table is not None:
         typer.echo(table)
         typer.echo(f"\nwrote {out / 'compare.md'} and {out / 'compare.json'}")

@@ -3,6 +3,10 @@ against a hand computation, a tiny study end to end, and the resume of an interr
 import json
 import math
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -263,3 +267,38 @@ def test_interrupted_study_resumes_where_it_stopped(tiny_data, tmp_path, monkeyp
     assert CK.load_checkpoint(interrupted)["iter_num"] == 4
     rows = json.loads((out / "compare.json").read_text())["rows"]
     assert [(r["sweep"], r["variant"]) for r in rows] == [(1, "baseline"), (1, "db"), (2, "baseline"), (2, "db")]
+
+
+@pytest.mark.slow
+def test_two_runs_at_a_time_give_the_numbers_of_one_at_a_time(tiny_data, tmp_path):
+    path = study_file(tmp_path / "pair.toml", tiny_data, seeds=[1, 2])
+    one = ok("compare", "--study", path, "--out", tmp_path / "one", "--threads", 1)
+    two = ok("compare", "--study", path, "--out", tmp_path / "two", "--threads", 1, "--jobs", 2)
+    assert "at 2 at a time" in two and two.count("train.log there") == 4 and two.count("finished at step 4") == 4
+    runs = {folder: {(r["variant"], r["seed"]): r["val_loss"] for r in
+                     json.loads((tmp_path / folder / "compare.json").read_text())["runs"]} for folder in ("one", "two")}
+    assert runs["one"] == runs["two"] and len(runs["two"]) == 4
+    assert "finished at step 4" in (tmp_path / "two" / "delta-s2" / "train.log").read_text()
+    assert "reusing the finished run" in ok("compare", "--study", path, "--out", tmp_path / "two", "--jobs", 2)
+    refused("--jobs 0 must be at least 1", "compare", "--study", path, "--out", tmp_path / "three", "--jobs", 0)
+
+
+@pytest.mark.slow
+def test_a_signal_stops_the_runs_side_by_side_at_a_checkpoint_and_compare_resumes_them(tiny_data, tmp_path):
+    path = study_file(tmp_path / "long.toml", tiny_data, seeds=[1], train=dict(max_iters=3000, eval_interval=1000,
+                                                                                 ckpt_interval=1000))
+    out = tmp_path / "out"
+    cli = Path(__file__).resolve().parent.parent / "cli.py"
+    p = subprocess.Popen([sys.executable, str(cli), "compare", "--study", str(path), "--out", str(out), "--jobs", "2",
+                          "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = [out / f"{v}-s1" / "train.log" for v in ("baseline", "delta")]
+    deadline = time.time() + 120
+    while not all(log.exists() and "step 0:" in log.read_text() for log in logs) and time.time() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    output, _ = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in output, output
+    steps = [CK.load_checkpoint(log.parent / "last.pt")["iter_num"] for log in logs]
+    assert all(s < 3000 for s in steps) and output.count("stopped by signal") == 2, output
+    again = ok("compare", "--study", path, "--out", out, "--jobs", 2)
+    assert again.count("resuming in") == 2 and again.count("finished at step 3000") == 2

@@ -8,6 +8,8 @@ How runs are laid out, reused, refused and paired: docs/usage.md, "Studies and s
 """
 import json
 import math
+import os
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -17,9 +19,9 @@ from workbench import options as O
 from workbench import report as R
 from workbench import study as S
 from workbench.checkpoint import load_checkpoint
-from workbench.errors import ConfigError
-from workbench.rundir import check_same_data, read_metrics
-from workbench.system import pick_device
+from workbench.errors import ConfigError, DeltaGPTError
+from workbench.rundir import StopFlag, check_same_data, read_metrics
+from workbench.system import apply_process_settings, pick_device
 
 
 def run_settings(cfg):
@@ -88,6 +90,71 @@ def train_or_reuse(cfg, state, echo=print):
     return train.train(replace(cfg, resume=state == "resume", overwrite=state == "restart"))
 
 
+def train_side_by_side(todo, jobs, echo=print):
+    """Train the (Run, state) pairs of todo `jobs` at a time, each in a process of its own (one thread each unless
+    --threads says otherwise) writing its output to RUN_DIR/train.log. A signal (Ctrl-C, SIGTERM) is passed on
+    once to the runs, which checkpoint and stop; a failed run starts no new ones and lets the others finish."""
+    import multiprocessing
+    import signal
+    from multiprocessing.connection import wait
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads or locks inherited
+    pending, running, failed, passed_on = list(todo), {}, [], False
+    with StopFlag() as stop:
+        while running or pending and not failed and stop.signal is None:
+            while pending and len(running) < jobs and not failed and stop.signal is None:
+                r, state = pending.pop(0)
+                if state == "finished":
+                    train_or_reuse(r.cfg, state, echo)
+                    continue
+                cfg = r.cfg if r.cfg.threads else replace(r.cfg, threads=max(1, (os.cpu_count() or 1) // jobs))
+                p = spawn.Process(target=train_logged, args=(cfg, state))
+                p.start()
+                running[p.sentinel] = p, r
+                echo(f"{run_label(r)}: {'resuming' if state == 'resume' else 'training'} in {r.cfg.out_dir} "
+                     f"(its output: train.log there)")
+            if stop.signal is not None and not passed_on:
+                for p, _ in running.values():
+                    os.kill(p.pid, signal.SIGTERM)
+                passed_on = True
+            for sentinel in wait(list(running), timeout=1):
+                p, r = running.pop(sentinel)
+                p.join()
+                lines = (Path(r.cfg.out_dir) / "train.log").read_text().strip().splitlines() or ["(no output)"]
+                echo(f"{run_label(r)}: {lines[-1]}")
+                if p.exitcode not in (0, 130):
+                    failed.append(f"{r.cfg.out_dir} ({lines[-1]})")
+    if stop.signal is not None:
+        raise KeyboardInterrupt
+    if failed:
+        raise S.StudyError(f"{len(failed)} run(s) failed: {'; '.join(failed)}; the others are finished or "
+                           f"checkpointed, and compare resumes them")
+
+
+def train_logged(cfg, state):
+    """One run of train_side_by_side, in its own process: its own process group (so Ctrl-C reaches it once,
+    through compare), the threads cfg names, stdout and stderr appended to RUN_DIR/train.log."""
+    os.setpgrp()
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "train.log", "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    apply_process_settings(cfg)
+    try:
+        result = train_or_reuse(cfg, state, print)
+        print(f"finished at step {result['iter_num']}, val loss {result['val_loss']:.4f}", flush=True)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        sys.exit(130)
+    except DeltaGPTError as e:
+        print(f"error: {e}", flush=True)
+        sys.exit(1)
+
+
+def run_label(r):
+    return f"{r.variant}{'' if r.value is None else f' {S.value_label(r.value)}'} seed {r.seed}"
+
+
 def run_summary(out_dir, seed):
     """What the table needs of one finished run, read from its metrics.jsonl and config.json: the last
     evaluation's val loss and routing sharpness, the median training tokens/s, and the curve
@@ -130,8 +197,8 @@ def process_config(study):
     return O.make_config(study.preset, **{k: v for k, v in study.train.items() if k in O.PROCESS_FIELDS})
 
 
-def run_study(study, out, overwrite=False, echo=print, dry_run=False):
-    """Train (or reuse, or resume) every run of the study, then write OUT/compare.json (every run's numbers),
+def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
+    """Train (or reuse, or resume) every run of the study, `jobs` at a time, then write OUT/compare.json (every run's numbers),
     compare.md (the table) and the pictures. Every setting, every existing run and the folder are checked
     and the plan printed before anything trains. Returns the table (Markdown), or None for a dry run."""
     out = Path(out)
@@ -139,12 +206,15 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False):
     S.claim_folder(study, out, overwrite, write=False)
     unique = list({r.cfg.out_dir: r for r in runs}.values())  # a run the sweep does not apply to, once
     states = [run_state(r.cfg, overwrite) for r in unique]  # refuses runs with other settings before training
-    echo(plan(study, unique, states))
+    echo(plan(study, unique, states, jobs))
     if dry_run:
         return None
     S.claim_folder(study, out, overwrite)
-    for r, (state, _) in zip(unique, states):
-        train_or_reuse(r.cfg, state, echo)
+    if jobs > 1:
+        train_side_by_side([(r, state) for r, (state, _) in zip(unique, states)], jobs, echo)
+    else:
+        for r, (state, _) in zip(unique, states):
+            train_or_reuse(r.cfg, state, echo)
     summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed))
                  for r in runs]
     option = study.sweep[0] if study.sweep else None
@@ -164,8 +234,9 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False):
     return table + (f"\n\n{best}" if best else "")
 
 
-def plan(study, runs, states):
-    """One line: how many runs the study has, how many are finished, and an estimate of the time left."""
+def plan(study, runs, states, jobs=1):
+    """One line: how many runs the study has, how many are finished, and an estimate of the time left (of
+    `jobs` runs at a time)."""
     done = sum(s == "finished" for s, _ in states)
     per_run = {}  # (variant, sweep value) -> seconds of a whole run: a finished one's, else one timed step's
     for r, (state, _) in zip(runs, states):
@@ -185,8 +256,9 @@ def plan(study, runs, states):
                        + [count(len(study.variants) - len(once), "variant"), count(len(study.seeds), "seed")])
     shape += "".join(f", {v} once per seed" for v in once)
     left = (f"{len(runs) - done} to train" + (f" ({resumed} resumed)" if resumed else "")
-            + (f", about {duration(seconds)} (an estimate: finished runs' wall time, else a few timed training "
-               f"steps of each model plus its evaluations)" if len(runs) > done else ""))
+            + (f", about {duration(seconds / jobs)}{f' at {jobs} at a time' if jobs > 1 else ''} (an estimate: "
+               f"finished runs' wall time, else a few timed training steps of each model plus its evaluations)"
+               if len(runs) > done else ""))
     return f"study {study.name}: {len(runs)} runs ({shape}), {done} finished, {left}"
 
 
