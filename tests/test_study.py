@@ -68,6 +68,9 @@ def test_every_bad_study_is_one_line_and_writes_nothing(tmp_path):
               top='reference = "delta"')),
         ("compare sets seed of each run itself", dict(train={"seed": 3})),
         ("unknown key 'variant'", dict(top='[variant.x]\nresidual = "delta"')),
+        ("pairs ['delta', 'static'] names 'static', which is not a variant", dict(top='pairs = [["delta", "static"]]')),
+        ("pairs ['delta', 'delta'] pairs a variant with itself", dict(top='pairs = [["delta", "delta"]]')),
+        ("pairs must be a list of two-variant lists", dict(top='pairs = ["delta", "baseline"]')),
     ]
     for i, (message, spec) in enumerate(cases):
         path = tmp_path / f"s{i}.toml"
@@ -195,7 +198,8 @@ def test_paired_statistics_by_hand():
 
 @pytest.mark.slow
 def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
-    path = study_file(tmp_path / "tiny.toml", tiny_data, sweep={"learning_rate": [1e-3, 3e-3]})
+    path = study_file(tmp_path / "tiny.toml", tiny_data, sweep={"learning_rate": [1e-3, 3e-3]},
+                      top='pairs = [["delta", "baseline"], ["baseline", "delta"]]')
     out = tmp_path / "out"
     plan = ok("compare", "--study", path, "--out", out, "--dry-run")
     assert "study tiny: 8 runs (2 learning_rate values x 2 variants x 2 seeds), 0 finished, 8 to train" in plan
@@ -218,6 +222,10 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
         assert row["diff"] == pytest.approx(sum(diffs) / 2) and row["wins"] == sum(d < 0 for d in diffs)
         assert f"| {lr} | delta | 2 | {row['val_loss']:.4f} ± {row['val_loss_std']:.4f} | {row['diff']:+.4f}" in table
         assert (out / f"curves-learning_rate={lr}.png").exists()
+        pair, back = (p for p in result["pairs"] if p["sweep"] == lr)  # delta - baseline is the reference's column
+        assert (pair["diff"], pair["diff_se"], pair["wins"]) == (row["diff"], row["diff_se"], row["wins"])
+        assert back["diff"] == pytest.approx(-row["diff"]) and back["wins"] == 2 - row["wins"]
+        assert f"| {lr} | delta - baseline | {row['diff']:+.4f} ± {row['diff_se']:.4f} | {row['wins']}/2 |" in table
     assert (out / "compare.md").read_text().split("\n\n")[0] in table and (out / "loss.png").exists()
     monkeypatch.setattr(T, "train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
     again = ok("compare", "--study", path, "--out", out)

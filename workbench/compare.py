@@ -220,10 +220,16 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
     option = study.sweep[0] if study.sweep else None
     rows = R.study_rows(summaries, study.reference, option)
     table = R.study_table(rows, study.reference, option)
-    R.save_json(dict(name=study.name, study=study.definition(), rows=rows, runs=summaries), out / "compare.json")
+    pairs = R.pair_rows(summaries, study.pairs)
+    if pairs:  # a pair's difference, seed by seed: a minus b on the same batches (the reference's, for both)
+        table += "\n\n" + R.pair_table(pairs, option)
+    R.save_json(dict(name=study.name, study=study.definition(), rows=rows, pairs=pairs, runs=summaries),
+                out / "compare.json")
     best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)],
                         tuning=option not in O.ARCH_FIELDS)
-    (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in (best, R.study_notes(study.reference)) if t)
+    pair_note = ("pair a - b: the mean over seeds of a's val loss minus b's (the same batches), ± its standard "
+                 "error; beat: seeds where a is lower." if pairs else "")
+    (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in (best, R.study_notes(study.reference), pair_note) if t)
                                     + "\n")
     cfg = runs[0].cfg
     shape = f"width {cfg.n_embd}" + (f", {cfg.n_layer} layers" if option != "n_layer" else "")

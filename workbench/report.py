@@ -363,6 +363,27 @@ def study_table(rows, reference, option=None):
     return markdown(head, body)
 
 
+def pair_rows(summaries, pairs):
+    """The paired difference of each pair [a, b] of variants (a minus b, seed by seed) at every sweep value."""
+    rows = []
+    for value in dict.fromkeys(s["sweep"] for s in summaries):
+        loss = {}
+        for s in summaries:
+            if s["sweep"] == value:
+                loss.setdefault(s["variant"], {})[s["seed"]] = s["val_loss"]
+        for a, b in pairs:
+            diff, se, wins, n = paired(loss.get(a, {}), loss.get(b, {}))
+            rows.append(dict(sweep=value, a=a, b=b, diff=diff, diff_se=se, wins=wins, paired=n))
+    return rows
+
+
+def pair_table(rows, option=None):
+    """The pairs' Markdown table: a row per sweep value and pair."""
+    head = ([option] if option else []) + ["pair", "val loss difference", "beat"]
+    return markdown(head, [([str(r["sweep"])] if option else []) + [f"{r['a']} - {r['b']}", signed(r["diff"], r["diff_se"]),
+                           f"{r['wins']}/{r['paired']}"] for r in rows])
+
+
 def study_notes(reference):
     """What the study table's columns mean (written under it in compare.md)."""
     return (f"val loss: the last evaluation's, mean ± std over seeds. vs {reference}: the mean over seeds of each "

@@ -9,7 +9,7 @@ import difflib
 import json
 import re
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -18,7 +18,7 @@ from workbench import options as O
 from workbench.rundir import check_folder
 from workbench.errors import DeltaGPTError
 
-STUDY_KEYS = ("seeds", "reference", "preset", "train", "sweep", "variants")
+STUDY_KEYS = ("seeds", "reference", "preset", "train", "sweep", "variants", "pairs")
 ROUTING_ONLY = ROUTING_FIELDS + ("route_lr_mult",)  # no use to a baseline
 SET_BY_COMPARE = ("seed", "out_dir", "resume", "overwrite")  # every run's own
 EVERY_SUBLAYER = "S"  # n_route_blocks = "S": N = 2 * n_layer
@@ -38,11 +38,13 @@ class Study:
     train: dict                     # options of every run (command-line options already on top)
     sweep: Optional[tuple]          # (option, [values]) or None
     variants: dict                  # name -> {"residual": mode, option: value, ...}
+    pairs: list = field(default_factory=list)  # [[a, b], ...]: a's paired difference to b, beside the reference's
 
     def definition(self):
         """What identifies the study (study.json): everything but its name."""
         return dict(seeds=self.seeds, reference=self.reference, preset=self.preset, train=self.train,
-                    sweep=None if self.sweep is None else {self.sweep[0]: self.sweep[1]}, variants=self.variants)
+                    sweep=None if self.sweep is None else {self.sweep[0]: self.sweep[1]}, variants=self.variants,
+                    pairs=self.pairs)
 
 
 @dataclass
@@ -112,10 +114,20 @@ def study_from_dict(raw, name, overrides=None, preset=None, where="the study"):
     reference = raw.get("reference", "baseline")
     if reference not in checked:
         raise StudyError(f"{where}: reference {reference!r} is not a variant; choose one of {', '.join(checked)}")
+    pairs = raw.get("pairs", [])
+    if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, str) for v in p)
+                                              for p in pairs):
+        raise StudyError(f'{where}: pairs must be a list of two-variant lists such as [["delta-static", "delta"]], '
+                         f"got {pairs!r}")
+    for a, b in pairs:
+        unknown = next((v for v in (a, b) if v not in checked), None)
+        if unknown is not None or a == b:
+            raise StudyError(f"{where}: pairs [{a!r}, {b!r}] " + (f"names {unknown!r}, which is not a variant; choose "
+                             f"from {', '.join(checked)}" if unknown is not None else "pairs a variant with itself"))
     preset = preset or raw.get("preset")
     if preset is not None and preset not in O.knobs()[1]:
         raise StudyError(f"{where}: unknown preset {preset!r}; choose one of {', '.join(O.knobs()[1])}")
-    return Study(name, seeds, reference, preset, {**train, **cli}, sweep, checked)
+    return Study(name, seeds, reference, preset, {**train, **cli}, sweep, checked, pairs)
 
 
 def checked_options(options, where, flag=False):
