@@ -313,7 +313,8 @@ def train(cfg):
                                        elapsed=time.time() - t_start, routing=losses.get("routing"))
                             bar.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}"
                                       + (f", routing max weight {losses['routing']['mean_max_weight']:.3f}"
-                                         if "routing" in losses else ""))
+                                         if math.isfinite(losses.get("routing", {}).get("mean_max_weight", math.nan))
+                                         else ""))  # NaN: every router has one source (delta_block, N = 1)
                             if val_loss < best_val_loss:
                                 best_val_loss = val_loss
                                 if iter_num > 0:

@@ -764,3 +764,12 @@ def test_bad_route_weights_are_one_line_before_any_work(tiny_data, tmp_path):
         r = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, "--out-dir", str(tmp_path / "x")],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and r.stderr.strip() == f"error: {said}" and not (tmp_path / "x").exists(), r.stderr
+
+
+def test_evaluation_lines_print_routing_sharpness_only_where_a_router_has_two_sources(tiny_data, tmp_path, capsys):
+    T.train(cfg_for(tiny_data, tmp_path / "one", residual="delta_block", n_route_blocks=1, max_iters=4))
+    one = capsys.readouterr().out  # N = 1: every router reads the embedding alone
+    T.train(cfg_for(tiny_data, tmp_path / "two", residual="delta_block", n_route_blocks=2, max_iters=4))
+    two = capsys.readouterr().out
+    assert "step 4: " in one and "routing" not in one and "nan" not in one
+    assert "step 4: " in two and "routing max weight 0." in two
