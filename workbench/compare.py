@@ -198,9 +198,10 @@ def process_config(study):
 
 
 def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
-    """Train (or reuse, or resume) every run of the study, `jobs` at a time, then write OUT/compare.json (every run's numbers),
-    compare.md (the table) and the pictures. Every setting, every existing run and the folder are checked
-    and the plan printed before anything trains. Returns the table (Markdown), or None for a dry run."""
+    """Train (or reuse, or resume) every run of the study, `jobs` at a time, then write OUT/compare.json (every
+    run's numbers), compare.md (the table) and the pictures. Every setting, every existing run and the folder
+    are checked and the plan printed before anything trains. Returns the table (Markdown), or None for a dry
+    run."""
     out = Path(out)
     runs = S.cross(study, out)
     S.claim_folder(study, out, overwrite, write=False)
@@ -229,8 +230,8 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
                         tuning=option not in O.ARCH_FIELDS)
     pair_note = ("pair a - b: the mean over seeds of a's val loss minus b's (the same batches), ± its standard "
                  "error; beat: seeds where a is lower." if pairs else "")
-    (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in (best, R.study_notes(study.reference), pair_note) if t)
-                                    + "\n")
+    notes = (best, R.study_notes(study.reference), pair_note)
+    (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in notes if t) + "\n")
     cfg = runs[0].cfg
     shape = f"width {cfg.n_embd}" + (f", {cfg.n_layer} layers" if option != "n_layer" else "")
     title = (f"{study.name}: preset {cfg.preset}, {cfg.dataset}, {shape}, {cfg.max_iters} steps, "

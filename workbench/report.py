@@ -380,8 +380,9 @@ def pair_rows(summaries, pairs):
 def pair_table(rows, option=None):
     """The pairs' Markdown table: a row per sweep value and pair."""
     head = ([option] if option else []) + ["pair", "val loss difference", "beat"]
-    return markdown(head, [([str(r["sweep"])] if option else []) + [f"{r['a']} - {r['b']}", signed(r["diff"], r["diff_se"]),
-                           f"{r['wins']}/{r['paired']}"] for r in rows])
+    return markdown(head, [([str(r["sweep"])] if option else [])
+                           + [f"{r['a']} - {r['b']}", signed(r["diff"], r["diff_se"]), f"{r['wins']}/{r['paired']}"]
+                           for r in rows])
 
 
 def study_notes(reference):
