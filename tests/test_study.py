@@ -293,8 +293,8 @@ def test_two_runs_at_a_time_give_the_numbers_of_one_at_a_time(tiny_data, tmp_pat
 
 @pytest.mark.slow
 def test_a_signal_stops_the_runs_side_by_side_at_a_checkpoint_and_compare_resumes_them(tiny_data, tmp_path):
-    path = study_file(tmp_path / "long.toml", tiny_data, seeds=[1], train=dict(max_iters=3000, eval_interval=1000,
-                                                                                 ckpt_interval=1000))
+    path = study_file(tmp_path / "long.toml", tiny_data, seeds=[1], train=dict(max_iters=1500, eval_interval=500,
+                                                                                 ckpt_interval=500))
     out = tmp_path / "out"
     cli = Path(__file__).resolve().parent.parent / "cli.py"
     p = subprocess.Popen([sys.executable, str(cli), "compare", "--study", str(path), "--out", str(out), "--jobs", "2",
@@ -307,6 +307,6 @@ def test_a_signal_stops_the_runs_side_by_side_at_a_checkpoint_and_compare_resume
     output, _ = p.communicate(timeout=120)
     assert p.returncode == 130 and "Traceback" not in output, output
     steps = [CK.load_checkpoint(log.parent / "last.pt")["iter_num"] for log in logs]
-    assert all(s < 3000 for s in steps) and output.count("stopped by signal") == 2, output
+    assert all(s < 1500 for s in steps) and output.count("stopped by signal") == 2, output
     again = ok("compare", "--study", path, "--out", out, "--jobs", 2)
-    assert again.count("resuming in") == 2 and again.count("finished at step 3000") == 2
+    assert again.count("resuming in") == 2 and again.count("finished at step 1500") == 2
