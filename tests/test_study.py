@@ -300,13 +300,33 @@ def test_a_signal_stops_the_runs_side_by_side_at_a_checkpoint_and_compare_resume
     p = subprocess.Popen([sys.executable, str(cli), "compare", "--study", str(path), "--out", str(out), "--jobs", "2",
                           "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     logs = [out / f"{v}-s1" / "train.log" for v in ("baseline", "delta")]
-    deadline = time.time() + 120
-    while not all(log.exists() and "step 0:" in log.read_text() for log in logs) and time.time() < deadline:
-        time.sleep(0.2)
-    p.send_signal(signal.SIGINT)
-    output, _ = p.communicate(timeout=120)
+    try:
+        deadline = time.time() + 120
+        while not all(log.exists() and "step 0:" in log.read_text() for log in logs):
+            assert time.time() < deadline and p.poll() is None, "the runs did not start"
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        output, _ = p.communicate(timeout=120)
+    finally:
+        p.kill()
     assert p.returncode == 130 and "Traceback" not in output, output
     steps = [CK.load_checkpoint(log.parent / "last.pt")["iter_num"] for log in logs]
     assert all(s < 1500 for s in steps) and output.count("stopped by signal") == 2, output
+    assert not any("Traceback" in log.read_text() for log in logs)
     again = ok("compare", "--study", path, "--out", out, "--jobs", 2)
     assert again.count("resuming in") == 2 and again.count("finished at step 1500") == 2
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_side_by_side_is_named_starts_no_other_and_no_table_is_made(tiny_data, tmp_path):
+    path = study_file(tmp_path / "three.toml", tiny_data, seeds=[1, 2, 3])
+    out = tmp_path / "out"
+    S.claim_folder(S.load_study(path), out)
+    (out / "delta-s1").mkdir()  # a lock delta-gpt did not write: delta seed 1 fails to start
+    (out / "delta-s1" / "run.lock").write_text("someone else's\n")
+    refused("1 run(s) did not finish: " + str(out / "delta-s1"), "compare", "--study", path, "--out", out,
+            "--jobs", 2, "--threads", 1)
+    assert not (out / "compare.md").exists()
+    assert "error: " in (out / "delta-s1" / "train.log").read_text() and "Traceback" not in (out / "delta-s1" / "train.log").read_text()
+    started = sum((out / f"{v}-s{s}").exists() for v in ("baseline", "delta") for s in (1, 2, 3))
+    assert started < 6  # no new run started after the failure

@@ -9,6 +9,7 @@ How runs are laid out, reused, refused and paired: docs/usage.md, "Studies and s
 import json
 import math
 import os
+import signal
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -91,14 +92,17 @@ def train_or_reuse(cfg, state, echo=print):
 
 
 def train_side_by_side(todo, jobs, echo=print):
-    """Train the (Run, state) pairs of todo `jobs` at a time, each in a process of its own (one thread each unless
-    --threads says otherwise) writing its output to RUN_DIR/train.log. A signal (Ctrl-C, SIGTERM) is passed on
-    once to the runs, which checkpoint and stop; a failed run starts no new ones and lets the others finish."""
-    import multiprocessing
-    import signal
-    from multiprocessing.connection import wait
-    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads or locks inherited
-    pending, running, failed, passed_on = list(todo), {}, [], False
+    """Train the (Run, state) pairs of todo `jobs` at a time, each in a process of its own (cores / jobs threads
+    unless --threads says) in a session of its own, its output in RUN_DIR/train.log. A signal (Ctrl-C,
+    SIGTERM) is passed on once to the runs, which checkpoint and stop (a second one leaves compare at once,
+    the runs still checkpointing); a failed run starts no new ones, lets the others finish and is named."""
+    import subprocess
+    import time
+    for name, data_dir, block_size in {(r.cfg.dataset, r.cfg.data_dir, r.cfg.block_size) for r, _ in todo}:
+        data.load_or_prepare(name, data_dir=data_dir, block_size=block_size)  # once: not by two runs at a time
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+    pending, running, failed, passed_on = list(todo), [], [], False
     with StopFlag() as stop:
         while running or pending and not failed and stop.signal is None:
             while pending and len(running) < jobs and not failed and stop.signal is None:
@@ -107,47 +111,47 @@ def train_side_by_side(todo, jobs, echo=print):
                     train_or_reuse(r.cfg, state, echo)
                     continue
                 cfg = r.cfg if r.cfg.threads else replace(r.cfg, threads=max(1, (os.cpu_count() or 1) // jobs))
-                p = spawn.Process(target=train_logged, args=(cfg, state))
-                p.start()
-                running[p.sentinel] = p, r
+                log = Path(cfg.out_dir) / "train.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with open(log, "a") as out:  # a session of its own: Ctrl-C at the terminal reaches it only through us
+                    p = subprocess.Popen([sys.executable, "-u", "-m", "workbench.compare", json.dumps(asdict(cfg)), state],
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+                running.append((p, r, log))
                 echo(f"{run_label(r)}: {'resuming' if state == 'resume' else 'training'} in {r.cfg.out_dir} "
                      f"(its output: train.log there)")
             if stop.signal is not None and not passed_on:
-                for p, _ in running.values():
-                    os.kill(p.pid, signal.SIGTERM)
+                for p, _, _ in running:
+                    p.send_signal(signal.SIGTERM)
                 passed_on = True
-            for sentinel in wait(list(running), timeout=1):
-                p, r = running.pop(sentinel)
-                p.join()
-                lines = (Path(r.cfg.out_dir) / "train.log").read_text().strip().splitlines() or ["(no output)"]
-                echo(f"{run_label(r)}: {lines[-1]}")
-                if p.exitcode not in (0, 130):
-                    failed.append(f"{r.cfg.out_dir} ({lines[-1]})")
+            time.sleep(0.2)
+            for p, r, log in [x for x in running if x[0].poll() is not None]:
+                running.remove((p, r, log))
+                last = (log.read_text().strip().splitlines() or ["(no output)"])[-1]
+                echo(f"{run_label(r)}: {last}")
+                if p.returncode != 0 and not (p.returncode == 130 and stop.signal is not None):
+                    failed.append(f"{r.cfg.out_dir} (exit {p.returncode}: {last})")
+    if failed:
+        raise S.StudyError(f"{len(failed)} run(s) did not finish: {'; '.join(failed)}; the others are finished or "
+                           f"checkpointed, and the same command resumes them")
     if stop.signal is not None:
         raise KeyboardInterrupt
-    if failed:
-        raise S.StudyError(f"{len(failed)} run(s) failed: {'; '.join(failed)}; the others are finished or "
-                           f"checkpointed, and compare resumes them")
 
 
 def train_logged(cfg, state):
-    """One run of train_side_by_side, in its own process: its own process group (so Ctrl-C reaches it once,
-    through compare), the threads cfg names, stdout and stderr appended to RUN_DIR/train.log."""
-    os.setpgrp()
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "train.log", "a") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
+    """One run of train_side_by_side, in its own process: the threads cfg names, and SIGTERM stopping it from
+    the start (the training loop then checkpoints on it). Prints a last line for compare to show."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
     apply_process_settings(cfg)
     try:
         result = train_or_reuse(cfg, state, print)
-        print(f"finished at step {result['iter_num']}, val loss {result['val_loss']:.4f}", flush=True)
+        print(f"finished at step {result['iter_num']}, val loss {result['val_loss']:.4f}")
     except KeyboardInterrupt:
-        sys.stdout.flush()
         sys.exit(130)
     except DeltaGPTError as e:
-        print(f"error: {e}", flush=True)
+        print(f"error: {e}")
         sys.exit(1)
 
 
@@ -304,3 +308,7 @@ def duration(seconds):
 
 def count(n, word):
     return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+if __name__ == "__main__":  # one run of compare --jobs: python -m workbench.compare CONFIG_JSON STATE
+    train_logged(O.knobs()[0](**json.loads(sys.argv[1])), sys.argv[2])
