@@ -275,6 +275,12 @@ def test_interrupted_study_resumes_where_it_stopped(tiny_data, tmp_path, monkeyp
     assert CK.load_checkpoint(interrupted)["iter_num"] == 4
     rows = json.loads((out / "compare.json").read_text())["rows"]
     assert [(r["sweep"], r["variant"]) for r in rows] == [(1, "baseline"), (1, "db"), (2, "baseline"), (2, "db")]
+    resumed = [m for m in RD.read_metrics(interrupted.parent) if m["kind"] == "resume"]
+    assert resumed == []  # no change recorded: the mode's defaults, filled in, are what the run recorded
+    assert "3 finished, 0 to train" in ok("compare", "--study", path, "--out", out)  # and the resumed run is reused
+    with open(interrupted.parent / "metrics.jsonl", "a") as f:  # as resumes recorded a mode's defaults before 2026-12-05
+        f.write(json.dumps(dict(kind="resume", step=2, changed={"route_partial": [False, None]})) + "\n")
+    assert "3 finished, 0 to train" in ok("compare", "--study", path, "--out", out)
 
 
 @pytest.mark.slow

@@ -53,7 +53,8 @@ def changed_midway(out_dir):
     """'name (a -> b at step N)' for each setting that decides a run's numbers and that a resume of the run in
     out_dir changed (its metrics.jsonl records them)."""
     return [f"{k} ({a!r} -> {b!r} at step {row['step']})" for row in read_metrics(out_dir) if row["kind"] == "resume"
-            for k, (a, b) in row.get("changed", {}).items() if k not in O.BOOKKEEPING_FIELDS]
+            for k, (a, b) in row.get("changed", {}).items() if k not in O.BOOKKEEPING_FIELDS
+            and not (k in O.ARCH_FIELDS and b is None)]  # a mode's default, recorded as a change before 2026-12-05
 
 
 def run_state(cfg, overwrite=False):
