@@ -293,7 +293,7 @@ def test_two_runs_at_a_time_give_the_numbers_of_one_at_a_time(tiny_data, tmp_pat
                      json.loads((tmp_path / folder / "compare.json").read_text())["runs"]} for folder in ("one", "two")}
     assert runs["one"] == runs["two"] and len(runs["two"]) == 4
     assert "finished at step 4" in (tmp_path / "two" / "delta-s2" / "train.log").read_text()
-    assert "reusing the finished run" in ok("compare", "--study", path, "--out", tmp_path / "two", "--jobs", 2)
+    assert "delta seed 2: reusing the finished run in" in ok("compare", "--study", path, "--out", tmp_path / "two", "--jobs", 2)
     refused("--jobs 0 must be at least 1", "compare", "--study", path, "--out", tmp_path / "three", "--jobs", 0)
 
 

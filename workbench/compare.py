@@ -83,10 +83,10 @@ def run_state(cfg, overwrite=False):
     return "resume", step
 
 
-def train_or_reuse(cfg, state, echo=print):
+def train_or_reuse(cfg, state, echo=print, label=None):
     """Train the run cfg asks for afresh, resume it, or reuse it when finished, as its run_state says."""
     if state == "finished":
-        echo(f"{cfg.residual} seed {cfg.seed}: reusing the finished run in {cfg.out_dir}")
+        echo(f"{label or f'{cfg.residual} seed {cfg.seed}'}: reusing the finished run in {cfg.out_dir}")
         return None
     import train  # the core's train(), the one thing the workbench calls in train.py
     return train.train(replace(cfg, resume=state == "resume", overwrite=state == "restart"))
@@ -109,7 +109,7 @@ def train_side_by_side(todo, jobs, echo=print):
             while pending and len(running) < jobs and not failed and stop.signal is None:
                 r, state = pending.pop(0)
                 if state == "finished":
-                    train_or_reuse(r.cfg, state, echo)
+                    train_or_reuse(r.cfg, state, echo, run_label(r))
                     continue
                 cfg = r.cfg if r.cfg.threads else replace(r.cfg, threads=max(1, (os.cpu_count() or 1) // jobs))
                 log = Path(cfg.out_dir) / "train.log"
@@ -220,7 +220,7 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
         train_side_by_side([(r, state) for r, (state, _) in zip(unique, states)], jobs, echo)
     else:
         for r, (state, _) in zip(unique, states):
-            train_or_reuse(r.cfg, state, echo)
+            train_or_reuse(r.cfg, state, echo, run_label(r))
     summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed))
                  for r in runs]
     option = study.sweep[0] if study.sweep else None
