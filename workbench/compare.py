@@ -27,9 +27,7 @@ from workbench.system import apply_process_settings, pick_device
 
 def run_settings(cfg):
     """The settings that decide a run's numbers, with the model's defaults filled in as the run records them."""
-    model = O.model_config(cfg, vocab_size=1)
-    cfg = replace(cfg, **{k: getattr(model, k) for k in O.MODEL_FIELDS})
-    return {k: v for k, v in asdict(cfg).items() if k not in O.BOOKKEEPING_FIELDS}
+    return {k: v for k, v in asdict(O.with_model_defaults(cfg)).items() if k not in O.BOOKKEEPING_FIELDS}
 
 
 def settings_diff(recorded, asked):
@@ -233,9 +231,7 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
                 out / "compare.json")
     best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)],
                         tuning=option not in O.ARCH_FIELDS)
-    pair_note = ("pair a - b: the mean over seeds of a's val loss minus b's (the same batches), ± its standard "
-                 "error; beat: seeds where a is lower." if pairs else "")
-    notes = (best, R.study_notes(study.reference), pair_note)
+    notes = (best, R.study_notes(study.reference, pairs=bool(pairs)))
     (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in notes if t) + "\n")
     cfg = runs[0].cfg
     shape = f"width {cfg.n_embd}" + (f", {cfg.n_layer} layers" if option != "n_layer" else "")

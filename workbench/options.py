@@ -141,6 +141,13 @@ def model_config(cfg, vocab_size):
     return gpt_config(vocab_size=vocab_size, **{k: getattr(cfg, k) for k in MODEL_FIELDS})
 
 
+def with_model_defaults(cfg):
+    """cfg with the model's own values of its fields (a mode's default routing options filled in), as a run
+    records them."""
+    model = model_config(cfg, vocab_size=1)
+    return replace(cfg, **{k: getattr(model, k) for k in MODEL_FIELDS})
+
+
 def as_typed(message):
     """A message in command-line words: GPTConfig's n_route_blocks=3 becomes --n-route-blocks 3."""
     names = "|".join(sorted(MODEL_FIELDS, key=len, reverse=True))

@@ -385,8 +385,8 @@ def pair_table(rows, option=None):
                            for r in rows])
 
 
-def study_notes(reference):
-    """What the study table's columns mean (written under it in compare.md)."""
+def study_notes(reference, pairs=False):
+    """What the study table's columns mean (written under it in compare.md), and the pairs' table's."""
     return (f"val loss: the last evaluation's, mean ± std over seeds. vs {reference}: the mean over seeds of each "
             f"seed's difference to {reference} (the same batches), ± its standard error (std of the differences "
             f"/ sqrt(n)); a difference within about two standard errors is no measurable difference. beat: seeds "
@@ -395,7 +395,9 @@ def study_notes(reference):
             f"deeper half; entropy: normalised routing entropy H / log n (1 is uniform); all at the last "
             f"evaluation. tokens/s: median training speed; speed: relative to {reference}. vs ref, equal time: "
             f"the paired difference of the val loss curves (interpolated between evaluations) read at the "
-            f"shorter run's total wall time of each pair.")
+            f"shorter run's total wall time of each pair."
+            + (" pair a - b: the mean over seeds of a's val loss minus b's (the same batches), ± its standard "
+               "error; beat: seeds where a is lower." if pairs else ""))
 
 
 def draw_study(rows, summaries, reference, option, out, title=None):
@@ -410,7 +412,8 @@ def draw_study(rows, summaries, reference, option, out, title=None):
             curves.setdefault(f"{option} = {s['sweep']}", []).append(s["curve"])
         draw_curves(curves, out / "curves.png", title)
         written.append(out / "curves.png")
-    for value in dict.fromkeys(s["sweep"] for s in summaries) if not written else ():
+    values = dict.fromkeys(s["sweep"] for s in summaries) if not written else {}  # else: a picture per value
+    for value in values:
         curves = {}
         for s in summaries:
             if s["sweep"] == value:

@@ -85,10 +85,9 @@ def claim_run_dir(cfg, master):
     from workbench.checkpoint import load_checkpoint
     out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "last.pt"
     if cfg.resume:
-        from workbench.options import MODEL_FIELDS, model_config
+        from workbench.options import with_model_defaults
         ckpt = load_checkpoint(ckpt_path, mmap=True)  # read lazily: under FSDP only rank 0 reads the weights
-        model = model_config(cfg, ckpt["model_config"]["vocab_size"])  # the mode's defaults filled, as a run records them
-        asked = dict(asdict(cfg), **{k: getattr(model, k) for k in MODEL_FIELDS})
+        asked = asdict(with_model_defaults(cfg))  # as the run recorded its settings
         changed = {k: (v, asked[k]) for k, v in ckpt["config"].items() if k in asked and asked[k] != v and k != "resume"}
         if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
             raise ConfigError(f"the run in {out_dir} has already reached --max-iters {cfg.max_iters} (it is at step "
