@@ -149,6 +149,10 @@ def test_bench(monkeypatch):
     # rounds sized by time (the default), ratios against baseline
     rows = bench.bench(*bench.CONFIGS["cpu"], ("baseline", "delta"), rounds=2, round_s=0.05)
     assert rows[0]["tok_s_x"] == 1.0 and rows[1]["tok_s"] > 0 and rows[1]["saved_x"] > 1.0
+    # a routed mode's static control: a row of its own, a model with the static routers
+    out = ok("bench", "--config", "cpu", "--residual", "baseline,delta,delta-static", "--iters", 1, "--rounds", 1)
+    assert "| delta |" in out and "| delta-static |" in out
+    assert bench.make(bench.CONFIGS["cpu"][0], "attnres-static").config.route_weights == "static"
 
 
 @pytest.mark.slow
@@ -213,6 +217,7 @@ def test_unknown_mode_and_preset(runs, tmp_path):
     refused("unknown mode 'resnet'", "compare", "--residual", "baseline,resnet")
     refused("unknown preset 'huge'", "compare", "--preset", "huge", "--out", tmp_path / "c")
     refused("unknown mode 'resnet'", "bench", "--residual", "resnet")
+    refused("unknown mode 'baseline-static'", "bench", "--residual", "baseline-static")
     refused("unknown --malloc 'huge'", "bench", "--malloc", "huge")
     refused("n_embd=66 is not divisible by n_head=4", "bench", "--config", "cpu", "--n-embd", "66")
     refused("is not a routed mode", "convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "resnet",

@@ -36,8 +36,11 @@ VARIANTS = ("eager", "compiled")
 
 
 def make(config, residual, **route):
-    """A model of `config` in mode `residual`, with routing fields in `route` (ignored for baseline)."""
+    """A model of `config` in mode `residual` (MODE-static: that mode's static control), with routing fields in
+    `route` (ignored for baseline)."""
     route = {} if residual == "baseline" else {k: v for k, v in route.items() if v is not None}
+    if residual.endswith("-static"):
+        residual, route["route_weights"] = residual.removesuffix("-static"), "static"
     return GPT(replace(config, residual=residual, n_route_blocks=None, route_partial=None,
                        route_sources=None, **route))
 
@@ -213,9 +216,11 @@ class BenchError(DeltaGPTError):
 
 def check_args(args):
     """Raise BenchError, one clear sentence, for a bad option or options that do not fit the device."""
-    bad = [m for m in args.residual.split(",") if m and m not in RESIDUALS]
+    static = [f"{m}-static" for m in RESIDUALS if m != "baseline"]
+    bad = [m for m in args.residual.split(",") if m and m not in (*RESIDUALS, *static)]
     if bad or not args.residual.strip(","):
-        raise BenchError(f"unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(RESIDUALS)}")
+        raise BenchError(f"unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(RESIDUALS)}, or a routed "
+                         f"mode's static control ({static[-1]})")
     if (args.iters is not None and args.iters < 1) or (args.rounds is not None and args.rounds < 1):
         raise BenchError("--iters and --rounds must be at least 1")
     if args.malloc not in ("keep", "default"):
@@ -279,7 +284,8 @@ def parser(prog=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="all", help=f"{', '.join(CONFIGS)} or all (CPU); on CUDA: {', '.join(CUDA_CONFIGS)} "
                     f"(context 1024) or all")
-    ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes; baseline first")
+    ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes, baseline first; MODE-static: that mode's "
+                    "static routing control (e.g. delta-static)")
     ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth; 10 on CUDA)")
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds, interleaved over the modes on the CPU (the fastest is taken; default 15, 3 on CUDA)")
     ap.add_argument("--n-layer", type=int, default=None, help="CPU: the config at another depth (e.g. a study's)")
