@@ -10,7 +10,9 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -81,10 +83,10 @@ def run_state(cfg, overwrite=False):
     return "resume", step
 
 
-def train_or_reuse(cfg, state, echo=print, label=None):
+def train_or_reuse(cfg, state, label, echo=print):
     """Train the run cfg asks for afresh, resume it, or reuse it when finished, as its run_state says."""
     if state == "finished":
-        echo(f"{label or f'{cfg.residual} seed {cfg.seed}'}: reusing the finished run in {cfg.out_dir}")
+        echo(f"{label}: reusing the finished run in {cfg.out_dir}")
         return None
     import train  # the core's train(), the one thing the workbench calls in train.py
     return train.train(replace(cfg, resume=state == "resume", overwrite=state == "restart"))
@@ -95,8 +97,6 @@ def train_side_by_side(todo, jobs, echo=print):
     unless --threads says) in a session of its own, its output in RUN_DIR/train.log. A signal (Ctrl-C,
     SIGTERM) is passed on once to the runs, which checkpoint and stop (a second one leaves compare at once,
     the runs still checkpointing); a failed run starts no new ones, lets the others finish and is named."""
-    import subprocess
-    import time
     for name, data_dir, block_size in {(r.cfg.dataset, r.cfg.data_dir, r.cfg.block_size) for r, _ in todo}:
         data.load_or_prepare(name, data_dir=data_dir, block_size=block_size)  # once: not by two runs at a time
     root = str(Path(__file__).resolve().parent.parent)
@@ -107,7 +107,7 @@ def train_side_by_side(todo, jobs, echo=print):
             while pending and len(running) < jobs and not failed and stop.signal is None:
                 r, state = pending.pop(0)
                 if state == "finished":
-                    train_or_reuse(r.cfg, state, echo, run_label(r))
+                    train_or_reuse(r.cfg, state, run_label(r), echo)
                     continue
                 cfg = r.cfg if r.cfg.threads else replace(r.cfg, threads=max(1, (os.cpu_count() or 1) // jobs))
                 log = Path(cfg.out_dir) / "train.log"
@@ -145,7 +145,7 @@ def train_logged(cfg, state):
     signal.signal(signal.SIGTERM, interrupt)
     apply_process_settings(cfg)
     try:
-        result = train_or_reuse(cfg, state, print)
+        result = train_or_reuse(cfg, state, cfg.out_dir)
         print(f"finished at step {result['iter_num']}, val loss {result['val_loss']:.4f}")
     except KeyboardInterrupt:
         sys.exit(130)
@@ -218,7 +218,7 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
         train_side_by_side([(r, state) for r, (state, _) in zip(unique, states)], jobs, echo)
     else:
         for r, (state, _) in zip(unique, states):
-            train_or_reuse(r.cfg, state, echo, run_label(r))
+            train_or_reuse(r.cfg, state, run_label(r), echo)
     summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed))
                  for r in runs]
     option = study.sweep[0] if study.sweep else None
@@ -274,7 +274,6 @@ def estimated_run_seconds(cfg):
     """Seconds a whole run of cfg takes, from the fastest of three timed training steps on random tokens
     (after one untimed; the fastest, as others' work on a shared machine only slows a step down) and its
     evaluations counted as forward passes at a third of a step each: a rough estimate."""
-    import time
     import torch
     from delta_gpt import GPT
     ds, device = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size), pick_device(cfg)
