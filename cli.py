@@ -151,6 +151,7 @@ def convert(
     out: Path = typer.Option(..., "--out", help="where to write the routed checkpoint"),
     n_route_blocks: Optional[int] = typer.Option(None, "--n-route-blocks", help="routing blocks N (default per mode)"),
     route_partial: Optional[bool] = typer.Option(None, "--route-partial/--no-route-partial", help="delta_block: route the current partial block too"),
+    route_heads: Optional[int] = typer.Option(None, "--route-heads", help="H routing heads, each over one of H channel groups (default 1)"),
     eval_iters: int = typer.Option(20, "--eval-iters", help="fixed validation batches for the before/after loss (as training)"),
     batch_size: int = typer.Option(12, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
@@ -159,7 +160,7 @@ def convert(
     """A routed checkpoint from a baseline one, routing at zero init; prints the val loss before and after."""
     import sample as S
     before, after, _ = S.convert_checkpoint(ckpt, out, residual, n_route_blocks, route_partial, eval_iters,
-                                            batch_size, data_dir, force)
+                                            batch_size, data_dir, force, route_heads=route_heads)
     typer.echo(f"val loss: baseline {before:.6f}, {residual} {after:.6f} (change {after - before:+.2e}; each the "
                f"mean of {eval_iters} fixed validation batches)")
     typer.echo(f"wrote {out}")

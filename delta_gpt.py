@@ -44,7 +44,7 @@ RESIDUALS = ("baseline", "attnres", "delta", "delta_block")
 ROUTE_SOURCES = ("delta", "cumulative")
 ROUTE_WEIGHTS = ("dynamic", "static")  # per-token weights from the sources, or one learned weight per source
 ROUTE_EPS = 1e-6  # RMSNorm eps of the router keys
-ROUTING_FIELDS = ("n_route_blocks", "route_partial", "route_sources", "route_weights")  # GPTConfig's routing options
+ROUTING_FIELDS = ("n_route_blocks", "route_partial", "route_sources", "route_weights", "route_heads")  # GPTConfig's routing options
 GPT2_MODELS = {  # the Hugging Face GPT-2 weights from_pretrained loads, with their shapes
     'gpt2':         dict(n_layer=12, n_head=12, n_embd=768),  # 124M params
     'gpt2-medium':  dict(n_layer=24, n_head=16, n_embd=1024), # 350M params
@@ -142,29 +142,37 @@ class Router(nn.Module):
     """Attention over depth: a sublayer's weighted read of its sources s_1..s_n (each (B, T, D)),
         alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
     per token, with no 1/sqrt(D) and no temperature. w starts at zero (uniform weights), g at one.
-    Static (the control): alpha_i = softmax_i(b_i), one learned logit per source (zero-init), the same for every token.
-    Logits and softmax run in float32 (float64 in a float64 model), also under bf16/fp16 autocast.
+    Multi-head routing (heads H > 1) cuts the D channels into H contiguous groups and routes each group apart:
+        alpha_i^h = softmax_i(w_h . RMSNorm_g(s_i)[h])     read[h] = sum_i alpha_i^h * s_i[h]
+    where [h] is channel group h and w_h that group of w. The keys are normed over the full width and then
+    sliced, so the H head scores of a source sum to its one-head score; no parameter is added. H = 1 is the above.
+    Static (the control): alpha_i = softmax_i(b_i), one learned logit per source (and head), zero-init, the same
+    for every token. Logits and softmax run in float32 (float64 in a float64 model), also under autocast.
     forward() runs only on the plain path (--no-fast-routing); by default RouteRead computes the same numbers."""
 
-    def __init__(self, n_embd, static_sources=None):
+    def __init__(self, n_embd, heads=1, static_sources=None):
         super().__init__()
+        self.heads = heads
         if static_sources is not None:  # static: b, zero-init (uniform weights); no query, no keys
-            self.logits = nn.Parameter(torch.zeros(static_sources))
+            self.logits = nn.Parameter(torch.zeros(static_sources) if heads == 1 else torch.zeros(heads, static_sources))
             return
         self.query = nn.Parameter(torch.zeros(n_embd))  # w, zero-init: uniform weights at init
         self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # its weight is the key gain g
 
     def forward(self, sources):
-        """sources: n tensors (B, T, D) -> read (B, T, D) in the first source's dtype, alpha (B, T, n)."""
+        """sources: n tensors (B, T, D) -> read (B, T, D) in the first source's dtype, alpha (B, T, n)
+        (with heads, (B, T, H, n))."""
+        H = self.heads
         with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
             s = torch.stack([upcast(s) for s in sources], dim=-2)    # (B, T, n, D)
             if hasattr(self, "logits"):
-                alpha = upcast(self.logits).softmax(dim=-1).expand(s.shape[:-1])  # (n,) -> (B, T, n)
+                alpha = upcast(self.logits).view(H, -1).softmax(dim=-1).expand(*s.shape[:-2], H, -1)  # (H, n) -> (B, T, H, n)
             else:
-                keys = F.rms_norm(s, s.shape[-1:], upcast(self.norm.weight), ROUTE_EPS)  # RMSNorm_g(s_i)
-                alpha = (keys @ upcast(self.query)).softmax(dim=-1)      # (B, T, n)
-            read = (alpha.unsqueeze(-1) * s).sum(dim=-2)             # (B, T, n, 1) * (B, T, n, D) -> (B, T, D)
-        return read.to(sources[0].dtype), alpha
+                keys = F.rms_norm(s, s.shape[-1:], upcast(self.norm.weight), ROUTE_EPS)  # RMSNorm_g(s_i), full width
+                w = torch.block_diag(*upcast(self.query).view(H, -1, 1))  # (D, H): column h holds w_h in group h's rows
+                alpha = (keys @ w).transpose(-1, -2).softmax(dim=-1)      # (B, T, n, H) -> (B, T, H, n)
+            read = (alpha.transpose(-1, -2).unsqueeze(-1) * s.unflatten(-1, (H, -1))).sum(dim=-3)  # (B, T, H, D/H)
+        return read.flatten(-2).to(sources[0].dtype), alpha.squeeze(-2) if H == 1 else alpha
 
 
 def upcast(t):
@@ -278,6 +286,7 @@ class GPTConfig:
     route_partial: Optional[bool] = None # route the current block's partial sum too; None: True (attnres, delta), False (delta_block)
     route_sources: Optional[str] = None # "delta" (block sums) or "cumulative" (stream snapshots); None: "delta"
     route_weights: Optional[str] = None # "dynamic" (per token, from the sources) or "static" (a learned logit per source); None: "dynamic"
+    route_heads: Optional[int] = None # H: route each of H contiguous channel groups apart (multi-head routing); None: 1
     fast_routing: bool = True # True: the fast path (the file's last section); False: Router and Stream as written. Not architecture
 
     def __post_init__(self):
@@ -309,6 +318,12 @@ class GPTConfig:
             self.route_weights = "dynamic"
         if self.route_weights not in ROUTE_WEIGHTS:
             raise ValueError(f"route_weights={self.route_weights!r} is unknown; choose one of {', '.join(ROUTE_WEIGHTS)}")
+        if self.route_heads is None:
+            self.route_heads = 1
+        H = self.route_heads
+        if isinstance(H, bool) or not isinstance(H, int) or H < 1 or self.n_embd % H != 0:
+            raise ValueError(f"route_heads={H!r} must be a whole number that divides n_embd={self.n_embd}; "
+                             f"choose one of {_divisors(self.n_embd)}")
         N = self.n_route_blocks
         if N is None:
             N = S if self.residual == "delta" else 4
@@ -349,7 +364,7 @@ def sources_per_router(cfg):
 def make_router(config, j):
     """Router j (in the model's order): static routing needs its number of sources, dynamic routing does not."""
     n = sources_per_router(config)[j] if config.route_weights == "static" else None
-    return Router(config.n_embd, static_sources=n)
+    return Router(config.n_embd, config.route_heads, static_sources=n)
 
 
 class GPT(nn.Module):
@@ -639,8 +654,9 @@ class FastStream(Stream):
     def __init__(self, e, config, routers, record=None):
         self.routers = routers
         self.static = config.route_weights == "static"         # static logits need no scores
+        self.heads = config.route_heads                        # H: each router's logits are per head
         self.queries = folded_queries(routers) if routers and not self.static else None  # (R, D)
-        self.scores = None                                     # (R, n, B, T): each source's logit for each router
+        self.scores = None                                     # (R, n, B, T, H): each source's logit for each router
         self.handed_on = []                                    # the blocks, as the last router handed them on
         self.reads = 0                                         # routers read so far
         super().__init__(e, config, record)
@@ -652,7 +668,7 @@ class FastStream(Stream):
             self.scores = self.with_scores_of(s)
 
     def with_scores_of(self, s):
-        score = Score.apply(s, self.queries).unsqueeze(1)  # (R, 1, B, T)
+        score = Score.apply(s, self.queries, self.heads).unsqueeze(1)  # (R, 1, B, T, H)
         return score if self.scores is None else torch.cat([self.scores, score], dim=1)
 
     def read(self, router):
@@ -662,14 +678,15 @@ class FastStream(Stream):
         sources = self.sources()
         partial = sources[len(self.blocks):]  # [p] when the partial sum is routed, else []
         if self.static:  # one logit per source, the same for every token
-            logits = upcast(router.logits).view(-1, 1, 1).expand(len(sources), *sources[0].shape[:2])  # (n, B, T)
+            logits = upcast(router.logits).view(self.heads, -1).t()[:, None, None, :]  # (n, 1, 1, H)
+            logits = logits.expand(-1, *sources[0].shape[:2], -1)                        # (n, B, T, H)
         else:
             scores = self.with_scores_of(partial[0]) if partial else self.scores
-            logits = scores[self.reads]                         # (n, B, T)
+            logits = scores[self.reads]                         # (n, B, T, H)
         self.reads += 1
         base = self.x if self.additive else None
         if len(sources) == 1:  # alpha = 1 whatever the logit: the read is the source itself
-            alpha = torch.ones_like(logits).movedim(0, -1)
+            alpha = torch.ones_like(logits).movedim(0, -1)  # (B, T, H, 1)
             u = sources[0] if base is None else base + sources[0]
         else:
             hand_on = not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
@@ -678,12 +695,13 @@ class FastStream(Stream):
             if handed_on:
                 self.handed_on = handed_on[:len(self.blocks)]  # a partial is read once: not handed on
         if self.record is not None:  # the sources themselves: the aliases stay inside the router chain
-            self.record.append((sources, alpha))
+            self.record.append((sources, alpha.squeeze(-2) if self.heads == 1 else alpha))  # (B, T, n) or (B, T, H, n)
         return u
 
 
 class RouteRead(torch.autograd.Function):
-    """base + sum_i alpha_i s_i with alpha = softmax_i(logits), logits (n, B, T); base None or x (B, T, D).
+    """base + sum_i alpha_i s_i with alpha = softmax_i(logits), logits (n, B, T, H); base None or x (B, T, D).
+    With H heads, alpha_i's head h weighs channel group h of s_i (H = 1: all channels).
 
     Forward and backward loop over the sources in place instead of stacking copies of them, and only
     references to the sources (alive anyway) and alpha (n, B, T) are saved: activation memory stays
@@ -699,12 +717,14 @@ class RouteRead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hand_on, base, logits, *sources):
-        alpha = logits.softmax(dim=0)             # (n, B, T); over a leading dim: PyTorch's faster kernel for small n
-        a = alpha.unsqueeze(-1).unbind(0)         # n views alpha_i, (B, T, 1)
-        s0 = upcast(sources[0])
-        read = a[0] * s0 if base is None else torch.addcmul(upcast(base), a[0], s0)
+        H = logits.size(-1)
+        alpha = logits.softmax(dim=0)             # (n, B, T, H); over a leading dim: PyTorch's faster kernel for small n
+        a = alpha.unsqueeze(-1).unbind(0)         # n views alpha_i, (B, T, H, 1)
+        s0 = upcast(sources[0]).unflatten(-1, (H, -1))  # (B, T, H, D/H): head h reads channel group h
+        read = a[0] * s0 if base is None else torch.addcmul(upcast(base).unflatten(-1, (H, -1)), a[0], s0)
         for a_i, s in zip(a[1:], sources[1:]):
-            read.addcmul_(a_i, s)
+            read.addcmul_(a_i, s.unflatten(-1, (H, -1)))
+        read = read.flatten(-2)
         ctx.save_for_backward(alpha, *sources)
         ctx.mark_non_differentiable(alpha)
         ctx.set_materialize_grads(False)
@@ -720,49 +740,65 @@ class RouteRead(torch.autograd.Function):
         if grad is None:  # the read itself was not used: only the handed-on gradients pass through
             return (None, None, None, *later)
         g_base = grad if ctx.needs_input_grad[1] else None
-        g = upcast(grad)
-        g_alpha = torch.empty_like(alpha)         # g . s_i, (n, B, T)
+        H = alpha.size(-1)
+        g = upcast(grad).unflatten(-1, (H, -1))   # (B, T, H, D/H)
+        g_alpha = torch.empty_like(alpha)         # g . s_i per head, (n, B, T, H)
         prod = torch.empty_like(g)                # one buffer for the products g * s_i
         for g_alpha_i, s in zip(g_alpha.unbind(0), sources):
-            torch.sum(torch.mul(g, s, out=prod), dim=-1, out=g_alpha_i)
+            torch.sum(torch.mul(g, s.unflatten(-1, (H, -1)), out=prod), dim=-1, out=g_alpha_i)
         g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(0))  # softmax backward
         g_sources = []
         for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(0), sources, later):
             # the later routers' gradient is a dense tensor of this chain's own: add this router's share in place
-            g_sources.append((a_i * g).to(s.dtype) if g_later is None else g_later.addcmul_(a_i, g))
+            if g_later is None:
+                g_sources.append((a_i * g).flatten(-2).to(s.dtype))
+            else:
+                g_later.unflatten(-1, (H, -1)).addcmul_(a_i, g)
+                g_sources.append(g_later)
         return (None, g_base, g_logits, *g_sources)
 
 
 class Score(torch.autograd.Function):
-    """A source's routing logit for every router at once: score = (Q @ s^T) * r with r = 1/rms(s),
-    (R, D) x (B, T, D) -> (R, B, T) in float32, for the folded queries Q. One matmul per source instead
-    of a dot product per (source, router), and one autograd node with the backward written out:
-        dL/ds = (g * r)^T @ Q - c * s,   c = r^2 * sum_j g_j score_j / D   (from dr/ds = -r^3 s / D)
-        dL/dQ = (g * r) @ s
+    """A source's routing logits for every router at once: score = (Q @ s^T) * r with r = 1/rms(s),
+    (R, D) x (B, T, D) -> (R, B, T) in float32, for the folded queries Q. With H heads each channel group h
+    scores apart, (Q[:, h] @ s[h]^T) * r, giving (R, B, T, H) (H = 1: (R, B, T, 1)); r is over the full width.
+    One matmul per source and head instead of a dot product per (source, router), and one autograd node
+    with the backward written out:
+        dL/ds[h] = (g_h * r)^T @ Q[:, h] - c * s[h],   c = r^2 * sum_{j,h} g_jh score_jh / D   (dr/ds = -r^3 s / D)
+        dL/dQ[:, h] = (g_h * r) @ s[h]
     A bf16 source is saved as it is, not again as a float32 copy.
     """
 
     @staticmethod
-    def forward(ctx, s, Q):
+    def forward(ctx, s, Q, heads):
+        D = s.size(-1)
         with float32_only(s):
             norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, Q.dtype))  # |s|, (B, T)
-            r = norm.square_().div_(s.size(-1)).add_(ROUTE_EPS).rsqrt_()       # 1 / rms(s), (B, T)
-            score = (Q @ upcast(s).view(-1, s.size(-1)).t()).view(-1, *r.shape).mul_(r)  # (R, B*T) -> (R, B, T)
+            r = norm.square_().div_(D).add_(ROUTE_EPS).rsqrt_()                # 1 / rms(s), (B, T)
+            groups = zip(Q.split(D // heads, -1), upcast(s).view(-1, D).split(D // heads, -1))
+            score = torch.stack([Q_h @ s_h.t() for Q_h, s_h in groups], dim=-1)  # (R, B*T, H)
+            score = score.view(-1, *r.shape, heads).mul_(r.unsqueeze(-1))       # (R, B, T, H)
         ctx.save_for_backward(s, Q, r, score)
         return score
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
+    def backward(ctx, g, *_):
         s, Q, r, score = ctx.saved_tensors
+        D, heads = s.size(-1), score.size(-1)
         with float32_only(s):
-            gr = g * r                                                         # (R, B, T)
-            c = (gr * score).sum(0).mul_(r).div_(s.size(-1))                   # (B, T)
-            s32 = upcast(s)
-            gr = gr.view(gr.size(0), -1)                                       # (R, B*T)
-            g_s = (gr.t() @ Q).view(s.shape).addcmul_(c.unsqueeze(-1), s32, value=-1).to(s.dtype) if ctx.needs_input_grad[0] else None
-            g_Q = gr @ s32.view(-1, s.size(-1)) if ctx.needs_input_grad[1] else None
-        return g_s, g_Q
+            gr = g * r.unsqueeze(-1)                                           # (R, B, T, H)
+            c = (gr * score).sum(-1).sum(0).mul_(r).div_(D)                    # over heads, then routers: (B, T)
+            s32 = upcast(s).view(-1, D)
+            gr = gr.view(gr.size(0), -1, heads).unbind(-1)                     # H of (R, B*T)
+            Q_h, s_h = Q.split(D // heads, -1), s32.split(D // heads, -1)
+            g_s, g_Q = None, None
+            if ctx.needs_input_grad[0]:
+                g_s = torch.cat([gr_h.t() @ q for gr_h, q in zip(gr, Q_h)], dim=-1)  # (B*T, D)
+                g_s = g_s.view(s.shape).addcmul_(c.unsqueeze(-1), s32.view(s.shape), value=-1).to(s.dtype)
+            if ctx.needs_input_grad[1]:
+                g_Q = torch.cat([gr_h @ x for gr_h, x in zip(gr, s_h)], dim=-1)     # (R, D)
+        return g_s, g_Q, None
 
 
 def float32_only(t):

@@ -20,7 +20,7 @@ from train import estimate_loss
 from workbench.checkpoint import (checkpoint_dataset, checkpoint_dict, load_checkpoint, load_model,
                                   model_from_checkpoint, save_checkpoint)
 from workbench.errors import ConfigError
-from workbench.options import at_least_one
+from workbench.options import as_typed, at_least_one
 from workbench.rundir import refuse_to_replace
 
 EVAL_ITERS = 20  # fixed validation batches: the same default as training's evaluation
@@ -86,7 +86,7 @@ def evaluate_checkpoint(ckpt_path, dataset=None, eval_iters=EVAL_ITERS, batch_si
 
 
 def convert_checkpoint(src, out, residual, n_route_blocks=None, route_partial=None, eval_iters=EVAL_ITERS,
-                       batch_size=12, data_dir=None, force=False):
+                       batch_size=12, data_dir=None, force=False, route_heads=None):
     """A routed checkpoint at `out` from the baseline checkpoint `src`, routing at zero init.
     Returns (val loss before, val loss after, the routed model's config)."""
     at_least_one(eval_iters=eval_iters, batch_size=batch_size)
@@ -98,8 +98,12 @@ def convert_checkpoint(src, out, residual, n_route_blocks=None, route_partial=No
     if ckpt["model_config"]["residual"] != "baseline":
         raise ConfigError(f"{src} is already a {ckpt['model_config']['residual']} model; "
                           f"convert starts from a baseline checkpoint")
-    route = dict(residual=residual, n_route_blocks=n_route_blocks, route_partial=route_partial)
-    base, routed = model_from_checkpoint(ckpt).eval(), model_from_checkpoint(ckpt, **route).eval()
+    route = dict(residual=residual, n_route_blocks=n_route_blocks, route_partial=route_partial, route_heads=route_heads)
+    try:
+        routed = model_from_checkpoint(ckpt, **route).eval()
+    except ConfigError as e:  # a routing option the model refuses, in command-line words
+        raise ConfigError(as_typed(str(e))) from None
+    base = model_from_checkpoint(ckpt).eval()
     ds = checkpoint_dataset(ckpt, src, data_dir=data_dir)
     before = estimate_loss(base, ds, "val", eval_iters, batch_size, progress=True)
     after = estimate_loss(routed, ds, "val", eval_iters, batch_size, progress=True)

@@ -63,6 +63,7 @@ class TrainConfig:
     route_partial: Optional[bool] = option(None, "also route the current block's partial sum (delta_block)")
     route_sources: Optional[str] = option(None, "delta (block sums) or cumulative (stream snapshots)")
     route_weights: Optional[str] = option(None, "dynamic (per token, from the sources) or static (one learned weight per source: the control)")
+    route_heads: Optional[int] = option(None, "H routing heads: each of H channel groups is routed apart (multi-head routing; default 1)")
     fast_routing: bool = option(True, "the fused routing path (same numbers as the plain one; off: the plain path)")
     init_from: str = option("scratch", "scratch, a baseline checkpoint path, or gpt2 / gpt2-medium / ...")
     # optimisation

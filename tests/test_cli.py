@@ -136,6 +136,14 @@ def test_convert_measures_before_and_after(runs, tmp_path, residual, exact):
     # the converted checkpoint is a usable model: it evaluates and samples
     assert "val loss" in ok("eval", "--ckpt", tmp_path / "c.pt", "--eval-iters", 1)
 
+def test_convert_with_routing_heads_keeps_the_loss(runs, tmp_path):
+    out = ok("convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "delta", "--route-heads", 4,
+             "--out", tmp_path / "c.pt", "--eval-iters", 2)
+    before, after = [float(x.split()[-1].rstrip(",")) for x in out.split("(change")[0].split(":")[1].split(",")]
+    assert CK.load_checkpoint(tmp_path / "c.pt")["model_config"]["route_heads"] == 4 and abs(after - before) < 2e-3
+    refused("--route-heads 3 must be a whole number", "convert", "--ckpt", runs / "baseline" / "last.pt",
+            "--residual", "delta", "--route-heads", 3, "--out", tmp_path / "x.pt")
+
 
 def test_bench(monkeypatch):
     from workbench import bench
@@ -153,6 +161,11 @@ def test_bench(monkeypatch):
     out = ok("bench", "--config", "cpu", "--residual", "baseline,delta,delta-static", "--iters", 1, "--rounds", 1)
     assert "| delta |" in out and "| delta-static |" in out
     assert bench.make(bench.CONFIGS["cpu"][0], "attnres-static").config.route_weights == "static"
+    # routing heads: -hH, after the static suffix where there is one
+    out = ok("bench", "--config", "cpu", "--residual", "baseline,delta_block-h2,delta_block-static-h2", "--iters", 1, "--rounds", 1)
+    assert "| delta_block-h2 |" in out and "| delta_block-static-h2 |" in out
+    config = bench.make(bench.CONFIGS["cpu"][0], "delta_block-static-h2").config
+    assert (config.residual, config.route_weights, config.route_heads) == ("delta_block", "static", 2)
 
 
 @pytest.mark.slow
@@ -218,6 +231,9 @@ def test_unknown_mode_and_preset(runs, tmp_path):
     refused("unknown preset 'huge'", "compare", "--preset", "huge", "--out", tmp_path / "c")
     refused("unknown mode 'resnet'", "bench", "--residual", "resnet")
     refused("unknown mode 'baseline-static'", "bench", "--residual", "baseline-static")
+    refused("unknown mode 'baseline-h2'", "bench", "--residual", "baseline-h2")
+    refused("unknown mode 'delta-h2-static'", "bench", "--residual", "delta-h2-static")
+    refused("route_heads=3 must be a whole number that divides n_embd=128", "bench", "--config", "cpu", "--residual", "delta-h3")
     refused("unknown --malloc 'huge'", "bench", "--malloc", "huge")
     refused("n_embd=66 is not divisible by n_head=4", "bench", "--config", "cpu", "--n-embd", "66")
     refused("is not a routed mode", "convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "resnet",

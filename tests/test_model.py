@@ -82,9 +82,9 @@ def logits_and_grads(model, idx):
                     for n, p in model.named_parameters()}
 
 
-def router_inputs(n=3, B=2, T=3, D=8, dtype=torch.float64):
+def router_inputs(n=3, B=2, T=3, D=8, dtype=torch.float64, heads=1):
     torch.manual_seed(0)
-    router = Router(D).to(dtype)
+    router = Router(D, heads).to(dtype)
     with torch.no_grad():
         router.query.normal_(0, 1.0)
         router.norm.weight.uniform_(0.5, 1.5)
@@ -103,26 +103,28 @@ IDENTITY_CASES = [("attnres", dict(n_route_blocks=n)) for n in (1, 2, 4, 8)] + [
 ]
 
 
+@pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("weights", ["dynamic", "static"])
 @pytest.mark.parametrize("residual,kw", IDENTITY_CASES)
-def test_zero_init_equals_baseline(residual, kw, weights):
+def test_zero_init_equals_baseline(residual, kw, weights, heads):
     base = unit_gain_(model_of(tiny()))
     idx = idx_batch()
     ref, _ = base(idx)
-    routed = routed_copy(base, residual, route_weights=weights, **kw)
+    routed = routed_copy(base, residual, route_weights=weights, route_heads=heads, **kw)
     out, _ = routed(idx)
     # replacement routing feeds x/n into LN, which weighs LN eps about n^2 more (docs/method.md)
     assert rel_err(out, ref) < (1e-4 if residual == "attnres" else 5e-6)
 
 
+@pytest.mark.parametrize("heads", [1, 2, 8])
 @pytest.mark.parametrize("weights", ["dynamic", "static"])
 @pytest.mark.parametrize("residual,kw", IDENTITY_CASES)
-def test_zero_init_exact_without_ln_eps(residual, kw, weights):
+def test_zero_init_exact_without_ln_eps(residual, kw, weights, heads):
     base = unit_gain_(model_of(tiny())).double()
     for m in base.modules():
         if isinstance(m, LayerNorm):
             m.eps = 0.0
-    routed = routed_copy(base, residual, route_weights=weights, **kw).double()
+    routed = routed_copy(base, residual, route_weights=weights, route_heads=heads, **kw).double()
     for m in routed.modules():
         if isinstance(m, LayerNorm):
             m.eps = 0.0
@@ -161,13 +163,58 @@ def test_router_is_its_formula():
     torch.testing.assert_close(read, sum(alpha[..., i:i + 1] * s for i, s in enumerate(sources)))
 
 
+def test_one_head_router_is_the_single_head_formula_to_the_last_bit():
+    """H = 1 computes the single-head router with the same operations as before heads existed: equal bits,
+    on the plain path (Router) and the fast path (Score, RouteRead)."""
+    router, sources = router_inputs(n=4, D=16, dtype=torch.float32)
+    read, alpha = router(sources)
+    s = torch.stack(sources, dim=-2)
+    ref_alpha = (F.rms_norm(s, (16,), router.norm.weight, 1e-6) @ router.query).softmax(-1)
+    assert torch.equal(alpha, ref_alpha) and torch.equal(read, (ref_alpha.unsqueeze(-1) * s).sum(-2))
+    Q = folded_queries([router])
+    r = (torch.linalg.vector_norm(sources[1], dim=-1).square() / 16 + 1e-6).rsqrt()
+    score = (Q @ sources[1].view(-1, 16).t()).view(1, 2, 3) * r
+    assert torch.equal(Score.apply(sources[1], Q, 1)[..., 0], score)
+    logits = fast_logits(Q, sources)[..., 0]  # (n, B, T)
+    fast_read, fast_alpha = RouteRead.apply(False, None, logits.unsqueeze(-1), *sources)
+    a = logits.softmax(0).unsqueeze(-1)
+    ref_read = a[0] * sources[0]
+    for a_i, s_i in zip(a[1:], sources[1:]):
+        ref_read.addcmul_(a_i, s_i)
+    assert torch.equal(fast_alpha[..., 0], logits.softmax(0)) and torch.equal(fast_read, ref_read)
+
+
+@pytest.mark.parametrize("heads", [2, 4])
+def test_multi_head_router_is_its_formula(heads):
+    """Multi-head routing, written out per head h on channel group h: alpha^h = softmax_i(w_h . RMSNorm_g(s_i)[h])
+    with the RMSNorm over the full width, read[h] = sum_i alpha^h_i s_i[h]."""
+    router, sources = router_inputs(n=3, D=8, heads=heads)
+    read, alpha = router(sources)
+    assert alpha.shape == (2, 3, heads, 3)
+    keys = [F.rms_norm(s, (8,), eps=1e-6) * router.norm.weight for s in sources]  # full width, then sliced
+    for h, group in enumerate(torch.arange(8).chunk(heads)):
+        logits = torch.stack([k[..., group] @ router.query[group] for k in keys], -1)
+        torch.testing.assert_close(alpha[..., h, :], logits.softmax(-1))
+        torch.testing.assert_close(read[..., group], sum(alpha[..., h, i:i + 1] * s[..., group] for i, s in enumerate(sources)))
+
+
+@pytest.mark.parametrize("heads", [2, 4, 8])
+def test_head_scores_sum_to_the_one_head_score(heads):
+    """The keys are normed over the full width, so a source's H head scores add up to its one-head score."""
+    _, sources = router_inputs(n=1, D=8)
+    Q = torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(Score.apply(sources[0], Q, heads).sum(-1), Score.apply(sources[0], Q, 1)[..., 0])
+
+
+@pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("residual", ROUTED)
-def test_routing_weights_are_a_simplex(residual):
-    model = model_of(tiny(residual), queries=2.0)
+def test_routing_weights_are_a_simplex(residual, heads):
+    model = model_of(tiny(residual, route_heads=heads), queries=2.0)
     record = []
     with torch.no_grad():
         model.hidden(idx_batch(), record=record)
     assert [alpha.size(-1) for _, alpha in record] == model.sources_per_router()
+    assert all(alpha.shape[:-1] == ((2, 32) if heads == 1 else (2, 32, heads)) for _, alpha in record)
     for sources, alpha in record:
         assert len(sources) == alpha.size(-1) and (alpha >= 0).all()
         torch.testing.assert_close(alpha.sum(-1), torch.ones(alpha.shape[:-1]))
@@ -243,30 +290,33 @@ def test_delta_block_with_N_equal_S_is_delta():
 
 # ---------------------------------------------------------------- the fast path computes the plain path's numbers
 
-def fast_logits(Q, sources):
+def fast_logits(Q, sources, heads=1):
     """The logits the fast stream hands RouteRead: each source's Score against one folded query Q (1, D)."""
-    return torch.stack([Score.apply(s, Q)[0] for s in sources])  # (n, B, T)
+    return torch.stack([Score.apply(s, Q, heads)[0] for s in sources])  # (n, B, T, H)
 
 
-def test_score_gradcheck():
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_score_gradcheck(heads):
     router, sources = router_inputs()
     Q = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)  # three routers' folded queries
-    assert torch.autograd.gradcheck(Score.apply, (sources[0], Q))
+    assert torch.autograd.gradcheck(lambda s, Q: Score.apply(s, Q, heads), (sources[0], Q))
 
 
+@pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("additive", [False, True])
-def test_route_read_gradcheck(additive):
+def test_route_read_gradcheck(additive, heads):
     _, sources = router_inputs(n=4)
-    logits = torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(4, 2, 3, heads, dtype=torch.float64, requires_grad=True)
     base = torch.randn_like(sources[0]).requires_grad_() if additive else None
     assert torch.autograd.gradcheck(lambda *a: RouteRead.apply(False, *a)[0], (base, logits, *sources))
 
 
-def test_handed_on_chain_gradcheck():
+@pytest.mark.parametrize("heads", [1, 2])
+def test_handed_on_chain_gradcheck(heads):
     """Three routers in a row, each handing its sources on as aliases to the next, which adds its share
     into their gradient in place; the last also reads a new source. Float64 gradcheck of the chain."""
     _, sources = router_inputs(n=3)
-    logits = [torch.randn(n, 2, 3, dtype=torch.float64, requires_grad=True) for n in (2, 2, 3)]
+    logits = [torch.randn(n, 2, 3, heads, dtype=torch.float64, requires_grad=True) for n in (2, 2, 3)]
 
     def chain(l1, l2, l3, s1, s2, s3):
         r1, _, *h = RouteRead.apply(True, None, l1, s1, s2)
@@ -277,23 +327,24 @@ def test_handed_on_chain_gradcheck():
     assert torch.autograd.gradcheck(chain, (*logits, *sources))
 
 
+@pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("additive", [False, True])
 @pytest.mark.parametrize("n", [2, 5])
-def test_score_and_route_read_equal_router(n, additive):
+def test_score_and_route_read_equal_router(n, additive, heads):
     """Score against the folded query, then RouteRead (the read added onto a base x when additive), gives
     Router's read and alpha, and the same gradients for the query, the gain, the sources and x."""
-    router, sources = router_inputs(n=n, D=16)
+    router, sources = router_inputs(n=n, D=16, heads=heads)
     base = torch.randn_like(sources[0]).requires_grad_() if additive else None
     wrt = [router.query, router.norm.weight, *sources] + ([base] if additive else [])
 
     def grads(read):
         return torch.autograd.grad((read * torch.cos(read)).sum(), wrt)
 
-    read, alpha, *_ = RouteRead.apply(False, base, fast_logits(folded_queries([router]), sources), *sources)
+    read, alpha, *_ = RouteRead.apply(False, base, fast_logits(folded_queries([router]), sources, heads), *sources)
     ref, alpha_ref = router(sources)
     ref = ref if base is None else base + ref
     torch.testing.assert_close(read, ref)
-    torch.testing.assert_close(alpha.movedim(0, -1), alpha_ref)
+    torch.testing.assert_close(alpha.movedim(0, -1), alpha_ref if heads > 1 else alpha_ref.unsqueeze(-2))
     for g, g_ref in zip(grads(read), grads(ref)):
         torch.testing.assert_close(g, g_ref)
 
@@ -306,11 +357,13 @@ EVERY_MODE_AND_N = [("baseline", {})] + [("attnres", dict(n_route_blocks=n)) for
 ]
 
 
-@pytest.mark.parametrize("residual,kw,weights", [(r, kw, w) for r, kw in EVERY_MODE_AND_N
-                                                   for w in (("dynamic", "static") if r != "baseline" else ("dynamic",))])
-def test_fast_routing_equals_plain(residual, kw, weights):
-    """Whole-model logits and every gradient, float64, fast_routing on and off, dynamic and static routing."""
-    model = model_of(tiny(residual, route_weights=None if residual == "baseline" else weights, **kw), queries=1.0).double()
+@pytest.mark.parametrize("residual,kw,weights,heads", [
+    (r, kw, w, h) for r, kw in EVERY_MODE_AND_N for w in (("dynamic", "static") if r != "baseline" else (None,))
+    for h in ((1, 4) if r != "baseline" else (None,))])
+def test_fast_routing_equals_plain(residual, kw, weights, heads):
+    """Whole-model logits and every gradient, float64, fast_routing on and off, dynamic and static routing, one
+    and four routing heads."""
+    model = model_of(tiny(residual, route_weights=weights, route_heads=heads, **kw), queries=1.0).double()
     idx = idx_batch()
     logits, grads = logits_and_grads(model, idx)
     model.config.fast_routing = False
@@ -320,11 +373,12 @@ def test_fast_routing_equals_plain(residual, kw, weights):
         torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
 
 
+@pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("residual,kw", [("delta", {}), ("attnres", dict(n_route_blocks=2)), ("delta_block", {})])
-def test_static_weights_do_not_depend_on_the_input(residual, kw, fast):
-    """Static routing: each router's weights are softmax(b) for every token of every input; dynamic's are not."""
-    model = model_of(tiny(residual, route_weights="static", fast_routing=fast, **kw), queries=1.0)
+def test_static_weights_do_not_depend_on_the_input(residual, kw, fast, heads):
+    """Static routing: each router's weights are softmax(b) (per head) for every token of every input; dynamic's are not."""
+    model = model_of(tiny(residual, route_weights="static", route_heads=heads, fast_routing=fast, **kw), queries=1.0)
     records = []
     for seed in (1, 2):
         records.append([])
@@ -333,7 +387,7 @@ def test_static_weights_do_not_depend_on_the_input(residual, kw, fast):
     assert len(records[0]) == len(model.routers)
     for router, (_, alpha1), (_, alpha2) in zip(model.routers, *records):
         weights = router.logits.detach().softmax(-1)
-        assert alpha1.shape[-1] == alpha2.shape[-1] == router.logits.numel()
+        assert alpha1.shape[-1] == alpha2.shape[-1] == router.logits.size(-1) and router.logits.numel() == heads * alpha1.shape[-1]
         torch.testing.assert_close(alpha1, weights.expand_as(alpha1))
         torch.testing.assert_close(alpha2, weights.expand_as(alpha2))
     dynamic = model_of(tiny(residual, fast_routing=fast, **kw), queries=1.0)
@@ -346,6 +400,8 @@ def test_static_weights_do_not_depend_on_the_input(residual, kw, fast):
 def test_static_routers_hold_one_logit_per_source_and_no_query():
     model = GPT(tiny("delta_block", route_weights="static", route_partial=True))
     assert [r.logits.numel() for r in model.routers] == model.sources_per_router()
+    heads = GPT(tiny("delta_block", route_weights="static", route_partial=True, route_heads=4))
+    assert [tuple(r.logits.shape) for r in heads.routers] == [(4, n) for n in model.sources_per_router()]
     assert all(not hasattr(r, "query") and not hasattr(r, "norm") for r in model.routers)
     assert all(is_routing_key(k) for k in model.state_dict() if "logits" in k)
     assert sum(p.numel() for p in model.route_parameters()) == sum(model.sources_per_router())
@@ -394,18 +450,19 @@ def test_fast_pieces_under_bf16_autocast_match_float64():
     exact = [s.detach().double().requires_grad_() for s in mixed]
     read64, alpha64 = ref(exact)
     (read64 * torch.linspace(-1, 1, 32, dtype=torch.float64)).sum().backward()
-    torch.testing.assert_close(alpha.movedim(0, -1).double(), alpha64, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(alpha[..., 0].movedim(0, -1).double(), alpha64, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(read.double(), read64, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(router.query.grad.double(), ref.query.grad, atol=1e-5, rtol=1e-4)
     for s, s64 in zip(mixed, exact):
         torch.testing.assert_close(s.grad.double(), s64.grad, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("residual", ROUTED)
-def test_fast_routing_equals_plain_under_bf16_autocast(residual):
+def test_fast_routing_equals_plain_under_bf16_autocast(residual, heads):
     """Whole-model logits and gradients under bf16 autocast agree to bf16 rounding (measured: at most 2%
     of a gradient's norm, where either differs from float64 by up to 90%)."""
-    model = unit_gain_(model_of(tiny(residual, n_layer=2), seed=1, queries=1.0))
+    model = unit_gain_(model_of(tiny(residual, n_layer=2, route_heads=heads), seed=1, queries=1.0))
     idx = idx_batch(T=16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, grads = logits_and_grads(model, idx)
@@ -428,10 +485,11 @@ def test_manual_attention_equals_sdpa():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("residual", ["delta", "attnres"])
-def test_compiled_fast_routing_equals_eager_plain(residual):
+@pytest.mark.parametrize("residual,heads", [("delta", None), ("attnres", None), ("delta_block", 4)])
+def test_compiled_fast_routing_equals_eager_plain(residual, heads):
     """torch.compile(fullgraph=True) of the fast path gives the eager plain path's logits and gradients."""
-    model = model_of(tiny(residual, n_layer=2, n_route_blocks=2 if residual == "attnres" else None), queries=1.0)
+    model = model_of(tiny(residual, n_layer=2, n_route_blocks=2 if residual == "attnres" else None, route_heads=heads),
+                     queries=1.0)
     idx = idx_batch(T=16)
     model.config.fast_routing = False
     eager_logits, eager_grads = logits_and_grads(model, idx)
@@ -470,15 +528,15 @@ def test_activation_memory_linear_in_depth():
     the plain path's stacking Router (which keeps O(S^2 * B*T*D))."""
     idx = idx_batch(B=2, T=32)
 
-    def ratio(n_layer, residual, fast=True):
+    def ratio(n_layer, residual, fast=True, heads=None):
         torch.manual_seed(0)
-        model = GPT(tiny(residual, n_layer=n_layer, n_embd=128, fast_routing=fast))
+        model = GPT(tiny(residual, n_layer=n_layer, n_embd=128, fast_routing=fast, route_heads=heads))
         torch.manual_seed(0)
         return saved_bytes(model, idx) / saved_bytes(GPT(tiny(n_layer=n_layer, n_embd=128)), idx)
 
-    for residual in ("delta", "attnres"):
-        r2, r8 = ratio(2, residual), ratio(8, residual)
-        assert r8 < 1.35 and r8 / r2 < 1.1, (residual, r2, r8)
+    for residual, heads in (("delta", 1), ("attnres", 1), ("delta", 4), ("delta_block", 4)):
+        r2, r8 = ratio(2, residual, heads=heads), ratio(8, residual, heads=heads)
+        assert r8 < 1.35 and r8 / r2 < 1.1, (residual, heads, r2, r8)
     assert ratio(8, "delta", fast=False) / ratio(2, "delta", fast=False) > 1.5
 
 
@@ -622,6 +680,7 @@ def test_checkpoints_of_the_previous_format_still_load(name, fast):
     assert "fast_routing" not in ckpt["model_config"] and "route_weights" not in ckpt["model_config"]
     model = CK.model_from_checkpoint(ckpt).eval()
     assert model.config.route_weights == (None if name == "baseline" else "dynamic")  # older checkpoints route dynamically
+    assert model.config.route_heads == (None if name == "baseline" else 1)  # and with one head
     model.config.fast_routing = fast
     expected = torch.load(DATA / "old-format-logits.pt", weights_only=True)[name]
     with torch.no_grad():
@@ -723,6 +782,11 @@ def test_estimate_mfu_is_none_on_cpu():
     (dict(fast_routing="yes"), "fast_routing='yes' must be True or False"),
     (dict(residual="delta", route_weights="fixed"), "route_weights='fixed' is unknown; choose one of dynamic, static"),
     (dict(residual="baseline", route_weights="static"), "route_weights is set but residual='baseline' has no routing"),
+    (dict(residual="baseline", route_heads=2), "route_heads is set but residual='baseline' has no routing"),
+    (dict(residual="delta", route_heads=3), "route_heads=3 must be a whole number that divides n_embd=64; choose one of 1, 2, 4, 8, 16, 32, 64"),
+    (dict(residual="delta", route_heads=0), "route_heads=0 must be a whole number that divides"),
+    (dict(residual="delta", route_heads=2.0), "route_heads=2.0 must be a whole number"),
+    (dict(residual="delta", route_heads=True), "route_heads=True must be a whole number"),
 ])
 def test_bad_config_raises(kw, match):
     with pytest.raises(ValueError, match=match):

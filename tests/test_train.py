@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -343,6 +343,9 @@ def test_init_from_baseline_checkpoint_keeps_the_loss(tiny_data, tmp_path):
     T.train(cfg)
     first = [r for r in RD.read_metrics(tmp_path / "delta") if r["kind"] == "eval"][0]
     # equal up to LN eps, which still weighs at this tiny width after 8 steps (docs/method.md, section 5)
+    assert first["step"] == 0 and abs(first["val_loss"] - base_val) < 1e-3
+    T.train(replace(cfg, out_dir=str(tmp_path / "heads"), route_heads=4))  # zero-init identity with heads too
+    first = [r for r in RD.read_metrics(tmp_path / "heads") if r["kind"] == "eval"][0]
     assert first["step"] == 0 and abs(first["val_loss"] - base_val) < 1e-3
     with pytest.raises(ValueError, match="different architecture: n_embd"):
         T.train(cfg_for(tiny_data, tmp_path / "x", residual="delta", n_embd=64,
@@ -752,6 +755,42 @@ def test_static_routing_is_recorded_as_architecture(tiny_data, tmp_path):
     from workbench import report as R
     table, _ = R.report_checkpoints([tmp_path / "static" / "last.pt"], batches=1, batch_size=2)
     assert "delta" in table
+
+
+# ---------------------------------------------------------------- multi-head routing
+
+def test_multi_head_routing_is_recorded_as_architecture(tiny_data, tmp_path):
+    """A run with routing heads records them; resuming with other heads is refused; report gives the sharpness
+    averaged over heads and each head's in report.json."""
+    T.train(cfg_for(tiny_data, tmp_path / "heads", residual="delta_block", route_heads=4, max_iters=4))
+    ckpt = CK.load_checkpoint(tmp_path / "heads" / "last.pt")
+    assert ckpt["model_config"]["route_heads"] == 4 and ckpt["config"]["route_heads"] == 4
+    with pytest.raises(ConfigError, match="--route-heads 2 \\(the run has 4\\)"):
+        O.resume_config(out_dir=str(tmp_path / "heads"), route_heads=2, max_iters=8)
+    T.train(O.resume_config(out_dir=str(tmp_path / "heads"), max_iters=6))
+    from workbench import report as R
+    _, written = R.report_checkpoints([tmp_path / "heads" / "last.pt"], batches=1, batch_size=2)
+    rows = json.loads(written[0].read_text())["delta_block"]["sublayers"]
+    routed = [r for r in rows if r["n"] > 1]
+    assert routed and all(len(r["heads"]) == 4 for r in routed)
+    for r in routed:
+        assert r["max_weight"] == pytest.approx(sum(h["max_weight"] for h in r["heads"]) / 4)
+        assert len(r["mean_weight"]) == r["n"] and all(len(h["mean_weight"]) == r["n"] for h in r["heads"])
+
+
+@pytest.mark.slow  # four subprocesses
+def test_bad_route_heads_are_one_line_before_any_work(tiny_data, tmp_path):
+    for argv, said in ((["--residual", "delta", "--route-heads", "2.5"], "--route-heads expects an integer, got '2.5'"),
+                       (["--residual", "delta", "--route-heads", "0"],
+                        "--route-heads 0 must be a whole number that divides --n-embd 128; choose one of 1, 2, 4, 8, 16, 32, 64, 128"),
+                       (["--residual", "attnres", "--route-heads", "3"],
+                        "--route-heads 3 must be a whole number that divides --n-embd 128; choose one of 1, 2, 4, 8, 16, 32, 64, 128"),
+                       (["--residual", "baseline", "--route-heads", "2"],
+                        "--route-heads is set but --residual baseline has no routing; leave --route-heads unset "
+                        "or choose attnres, delta or delta_block")):
+        r = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, "--out-dir", str(tmp_path / "x")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and r.stderr.strip() == f"error: {said}" and not (tmp_path / "x").exists(), r.stderr
 
 
 @pytest.mark.slow  # two subprocesses

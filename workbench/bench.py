@@ -13,6 +13,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import replace
@@ -35,14 +36,27 @@ CUDA_CONFIGS = {
 VARIANTS = ("eager", "compiled")
 
 
-def make(config, residual, **route):
-    """A model of `config` in mode `residual` (MODE-static: that mode's static control), with routing fields in
-    `route` (ignored for baseline)."""
+def make(config, mode, **route):
+    """A model of `config` in `mode` (a residual mode; a routed one may end in -static, its static control,
+    and then in -hH, H routing heads), with routing fields in `route` (ignored for baseline)."""
+    return GPT(mode_config(config, mode, **route))
+
+
+def mode_config(config, mode, **route):
+    """make's GPTConfig (ValueError for a value the model refuses, such as heads that do not divide the width)."""
+    residual, named = parse_mode(mode)
     route = {} if residual == "baseline" else {k: v for k, v in route.items() if v is not None}
-    if residual.endswith("-static"):
-        residual, route["route_weights"] = residual.removesuffix("-static"), "static"
-    return GPT(replace(config, residual=residual, n_route_blocks=None, route_partial=None,
-                       route_sources=None, **route))
+    return replace(config, residual=residual, n_route_blocks=None, route_partial=None, route_sources=None,
+                   **route, **named)
+
+
+def parse_mode(mode):
+    """'delta_block-static-h4' -> ('delta_block', {route_weights: static, route_heads: 4}); BenchError if unknown."""
+    m = re.fullmatch(r"(\w+?)(-static)?(?:-h(\d+))?", mode)
+    if not m or m[1] not in RESIDUALS or (m[1] == "baseline" and m[0] != "baseline"):
+        raise BenchError(f"unknown mode {mode!r}; choose from {', '.join(RESIDUALS)}, a routed mode's static "
+                         f"control (delta_block-static), or H routing heads (delta_block-h4, delta_block-static-h4)")
+    return m[1], dict(**({"route_weights": "static"} if m[2] else {}), **({"route_heads": int(m[3])} if m[3] else {}))
 
 
 def saved_bytes(model, idx):
@@ -216,11 +230,9 @@ class BenchError(DeltaGPTError):
 
 def check_args(args):
     """Raise BenchError, one clear sentence, for a bad option or options that do not fit the device."""
-    static = [f"{m}-static" for m in RESIDUALS if m != "baseline"]
-    bad = [m for m in args.residual.split(",") if m and m not in (*RESIDUALS, *static)]
-    if bad or not args.residual.strip(","):
-        raise BenchError(f"unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(RESIDUALS)}, or a routed "
-                         f"mode's static control ({static[-1]})")
+    modes = [m for m in args.residual.split(",") if m]
+    for mode in modes or [""]:
+        parse_mode(mode)
     if (args.iters is not None and args.iters < 1) or (args.rounds is not None and args.rounds < 1):
         raise BenchError("--iters and --rounds must be at least 1")
     if args.malloc not in ("keep", "default"):
@@ -235,9 +247,14 @@ def check_args(args):
                              "fix their batch")
         for name in CONFIGS if args.config == "all" else [args.config]:
             try:
-                cpu_config(name, args)
+                config, _ = cpu_config(name, args)
             except ValueError as e:
                 raise BenchError(f"--config {name} with --n-layer/--n-embd: {e}") from None
+            for mode in modes:
+                try:
+                    mode_config(config, mode)
+                except ValueError as e:
+                    raise BenchError(f"--config {name}, mode {mode}: {e}") from None
         return
     if args.n_layer is not None or args.n_embd is not None:
         raise BenchError("--n-layer and --n-embd apply to the CPU configs only")
@@ -285,7 +302,7 @@ def parser(prog=None):
     ap.add_argument("--config", default="all", help=f"{', '.join(CONFIGS)} or all (CPU); on CUDA: {', '.join(CUDA_CONFIGS)} "
                     f"(context 1024) or all")
     ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes, baseline first; MODE-static: that mode's "
-                    "static routing control (e.g. delta-static)")
+                    "static routing control (e.g. delta-static); then -hH: H routing heads (delta-h4, delta-static-h4)")
     ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth; 10 on CUDA)")
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds, interleaved over the modes on the CPU (the fastest is taken; default 15, 3 on CUDA)")
     ap.add_argument("--n-layer", type=int, default=None, help="CPU: the config at another depth (e.g. a study's)")

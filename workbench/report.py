@@ -54,16 +54,24 @@ def routing_stats(model, idx):
 
 
 def sublayer_row(name, k, sources, alpha):
-    """One sublayer's statistics from its sources (n tensors (B, T, D)) and weights alpha (B, T, n)."""
-    n = alpha.size(-1)
-    entropy = -(alpha * alpha.clamp_min(1e-30).log()).sum(-1)  # (B, T)
+    """One sublayer's statistics from its sources (n tensors (B, T, D)) and weights alpha (B, T, n), or
+    (B, T, H, n) with H routing heads: then each statistic is the mean over heads, and `heads` has each head's."""
     cos = [F.cosine_similarity(a.float(), b.float(), dim=-1).mean().item() for a, b in zip(sources, sources[1:])]
+    row = dict(name=name, index=k, **weight_stats(alpha), adj_cos=sum(cos) / len(cos) if cos else float("nan"))
+    if alpha.dim() == 4:
+        row["heads"] = [weight_stats(alpha[:, :, h]) for h in range(alpha.size(2))]
+    return row
+
+
+def weight_stats(alpha):
+    """n, uniform 1/n, max_weight, entropy / log n and mean_weight of routing weights alpha (..., n)."""
+    n = alpha.size(-1)
+    entropy = -(alpha * alpha.clamp_min(1e-30).log()).sum(-1)
     return dict(
-        name=name, index=k, n=n, uniform=1.0 / n,
+        n=n, uniform=1.0 / n,
         max_weight=alpha.max(-1).values.mean().item(),
         entropy=(entropy / math.log(n)).mean().item() if n > 1 else float("nan"),
-        mean_weight=alpha.mean(dim=(0, 1)).tolist(),
-        adj_cos=sum(cos) / len(cos) if cos else float("nan"),
+        mean_weight=alpha.reshape(-1, n).mean(0).tolist(),
     )
 
 
