@@ -778,31 +778,25 @@ def test_multi_head_routing_is_recorded_as_architecture(tiny_data, tmp_path):
         assert len(r["mean_weight"]) == r["n"] and all(len(h["mean_weight"]) == r["n"] for h in r["heads"])
 
 
-@pytest.mark.slow  # four subprocesses
-def test_bad_route_heads_are_one_line_before_any_work(tiny_data, tmp_path):
-    for argv, said in ((["--residual", "delta", "--route-heads", "2.5"], "--route-heads expects an integer, got '2.5'"),
-                       (["--residual", "delta", "--route-heads", "0"],
-                        "--route-heads 0 must be a whole number that divides --n-embd 128; choose one of 1, 2, 4, 8, 16, 32, 64, 128"),
-                       (["--residual", "attnres", "--route-heads", "3"],
-                        "--route-heads 3 must be a whole number that divides --n-embd 128; choose one of 1, 2, 4, 8, 16, 32, 64, 128"),
-                       (["--residual", "baseline", "--route-heads", "2"],
-                        "--route-heads is set but --residual baseline has no routing; leave --route-heads unset "
-                        "or choose attnres, delta or delta_block")):
-        r = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, "--out-dir", str(tmp_path / "x")],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 1 and r.stderr.strip() == f"error: {said}" and not (tmp_path / "x").exists(), r.stderr
-
-
-@pytest.mark.slow  # two subprocesses
-def test_bad_route_weights_are_one_line_before_any_work(tiny_data, tmp_path):
-    for argv, said in ((["--residual", "delta", "--route-weights", "fixed"],
-                        "--route-weights fixed is unknown; choose one of dynamic, static"),
-                       (["--residual", "baseline", "--route-weights", "static"],
-                        "--route-weights is set but --residual baseline has no routing; leave --route-weights unset "
-                        "or choose attnres, delta or delta_block")):
-        r = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, "--out-dir", str(tmp_path / "x")],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 1 and r.stderr.strip() == f"error: {said}" and not (tmp_path / "x").exists(), r.stderr
+@pytest.mark.slow  # a subprocess each
+@pytest.mark.parametrize("argv,said", [
+    (["--residual", "delta", "--route-weights", "fixed"], "--route-weights fixed is unknown; choose one of dynamic, static"),
+    (["--residual", "baseline", "--route-weights", "static"],
+     "--route-weights is set but --residual baseline has no routing; leave --route-weights unset or choose attnres, "
+     "delta or delta_block"),
+    (["--residual", "delta", "--route-heads", "2.5"], "--route-heads expects an integer, got '2.5'"),
+    (["--residual", "delta", "--route-heads", "0"],
+     "--route-heads 0 must be a whole number that divides --n-embd 128; choose one of 1, 2, 4, 8, 16, 32, 64, 128"),
+    (["--residual", "attnres", "--route-heads", "3"],
+     "--route-heads 3 must be a whole number that divides --n-embd 128; choose one of 1, 2, 4, 8, 16, 32, 64, 128"),
+    (["--residual", "baseline", "--route-heads", "2"],
+     "--route-heads is set but --residual baseline has no routing; leave --route-heads unset or choose attnres, "
+     "delta or delta_block"),
+])
+def test_bad_routing_options_are_one_line_before_any_work(tiny_data, tmp_path, argv, said):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, "--out-dir", str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {said}" and not (tmp_path / "x").exists(), r.stderr
 
 
 def test_evaluation_lines_print_routing_sharpness_only_where_a_router_has_two_sources(tiny_data, tmp_path, capsys):
