@@ -14,10 +14,12 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
-import typer
-import typer.core
+from errors import ConfigError, DeltaGPTError, check_packages
 
-from workbench.errors import ConfigError, DeltaGPTError
+check_packages()  # one line, not a traceback, in a shell without the project's .venv
+
+import typer  # noqa: E402
+import typer.core  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,8 +56,9 @@ class TrainHelp(typer.core.TyperCommand):
     torch, which would slow every other command's start)."""
 
     def format_epilog(self, ctx, formatter):
-        from workbench.options import options_help
-        self.epilog = options_help()
+        import train as T
+        from plumbing.config import train_help
+        self.epilog = train_help(T.TrainConfig, T.PRESETS)
         super().format_epilog(ctx, formatter)
 
 
@@ -93,9 +96,9 @@ def train(ctx: typer.Context):
     Works under torchrun for DDP: torchrun --standalone --nproc_per_node=N cli.py train ...
     """
     import train as T
-    from workbench.options import config_from_args, out_dir_of
-    from workbench.system import apply_process_settings
-    cfg = config_from_args(ctx.args)
+    from plumbing.config import out_dir_of
+    from plumbing.system import apply_process_settings
+    cfg = T.config_from_args(ctx.args)
     apply_process_settings(cfg)
     summary = T.train(cfg)
     if summary.get("val_loss") is not None and int(os.environ.get("RANK", 0)) == 0:
@@ -211,7 +214,7 @@ def compare(
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs} must be at least 1 (the runs trained at a time)")
     from workbench import compare as C
-    from workbench.system import apply_process_settings
+    from plumbing.system import apply_process_settings
     plan = C.study_of(study, residual, seeds, ctx.args)
     apply_process_settings(C.process_config(plan))
     out = out or Path("runs") / plan.name
@@ -253,8 +256,8 @@ def plan(
     on the CPU at small sizes and scaled (see docs/scaling.md). Nothing is trained and no GPU is needed.
     """
     from workbench import plan as P
-    from workbench.options import config_from_args
-    typer.echo(P.report(config_from_args(ctx.args), nproc, gpu_memory, vocab_size))
+    import train as T
+    typer.echo(P.report(T.config_from_args(ctx.args), nproc, gpu_memory, vocab_size))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ import torch
 
 import data
 from delta_gpt import RESIDUALS
+from errors import ConfigError
 from train import estimate_loss
-from workbench.checkpoint import (checkpoint_dataset, checkpoint_dict, load_checkpoint, load_model,
+from plumbing.checkpoint import (checkpoint_dataset, checkpoint_dict, load_checkpoint, load_model,
                                   model_from_checkpoint, save_checkpoint)
-from workbench.errors import ConfigError
-from workbench.options import as_typed, at_least_one
-from workbench.rundir import refuse_to_replace
+from plumbing.config import as_typed, at_least_one
+from plumbing.rundir import refuse_to_replace
 
 EVAL_ITERS = 20  # fixed validation batches: the same default as training's evaluation
 

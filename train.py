@@ -1,7 +1,8 @@
 """
 Training script for delta-gpt, in nanoGPT's shape: the knobs, a few helpers, then train(), one narrative
-from setup to the loop. One process on CPU, CUDA or MPS, or several under torchrun with DDP (each holds
-the whole model) or FSDP2 (--fsdp: parameters, gradients and optimizer state sharded).
+from setup to the loop, and last the command line that builds a TrainConfig. One process on CPU, CUDA or MPS, or
+several under torchrun with DDP (each holds the whole model) or FSDP2 (--fsdp: parameters, gradients and optimizer
+state sharded).
 
     python train.py --residual delta                          # the `cpu` preset where there is no CUDA
     python train.py --out-dir runs/cpu-delta --resume --max-iters 4000   # continue, bit-exact on CPU
@@ -9,15 +10,14 @@ the whole model) or FSDP2 (--fsdp: parameters, gradients and optimizer state sha
     torchrun --standalone --nproc_per_node=8 train.py --preset paper_1b --residual delta --fsdp
 
 `python cli.py train ...` takes the same options: every TrainConfig field (--max-iters or --max_iters;
---compile / --no-compile for flags). The plumbing (options, checkpoints, the run directory, FSDP, process
-settings) lives in workbench/, each piece called once from here.
+--compile / --no-compile for flags). The plumbing (option checks, checkpoints, the run directory, FSDP,
+process settings) lives in plumbing/, below this file, each piece called once from here.
 """
 import math
-import os
 import sys
 import time
-from contextlib import nullcontext, redirect_stdout
-from dataclasses import asdict, dataclass, field, replace
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -26,17 +26,18 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-import data
 from data import batch_starts, eval_batch, get_batch
+import data
 from delta_gpt import GPT, GPT2_MODELS
-from workbench.checkpoint import (checkpoint_dict, dataset_info, model_from_init_checkpoint, restore_rng, resume_model,
-                                  rng_state, save_checkpoint)
-from workbench.distributed import full_state, load_optimizer_state, process_group, root_gathered, shard
-from workbench.errors import ConfigError, TrainError
-from workbench.options import MODEL_FIELDS, ROUTE_FIELDS, check_config, model_config, out_dir_of
-from workbench.report import routing_stats
-from workbench.rundir import Progress, RunLock, RunRecord, StopFlag, check_folder, check_same_data, claim_run_dir
-from workbench.system import cpu_has_bfloat16
+from errors import ConfigError, DeltaGPTError, TrainError
+from plumbing.checkpoint import (checkpoint_dict, dataset_info, load_checkpoint, model_from_init_checkpoint, restore_rng,
+                                 resume_checkpoint, resume_model, rng_state, save_checkpoint)
+from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, ROUTE_FIELDS, as_typed, check_config, flag, model_config,
+                             out_dir_of, parse_args, preset_config, train_help)
+from plumbing.distributed import full_state, load_optimizer_state, process_group, root_gathered, shard
+from plumbing.routing_stats import routing_stats
+from plumbing.rundir import Progress, RunLock, RunRecord, StopFlag, check_folder, check_same_data, claim_run_dir
+from plumbing.system import apply_process_settings, cpu_has_bfloat16
 
 # -----------------------------------------------------------------------------
 # the knobs: every field is an option of `python train.py` and `python cli.py train` (--help lists them)
@@ -196,7 +197,7 @@ def train(cfg):
         # claim the run directory: a lock for the whole run; a failed start leaves the folder as it found it
         lock = RunLock(out_dir, master and not cfg.eval_only)
         with lock.held_on_error():
-            ckpt, changed = claim_run_dir(cfg, master)  # the resume checkpoint, or None
+            ckpt, changed = resume_checkpoint(cfg, master) if cfg.resume else claim_run_dir(cfg, master)
             torch.manual_seed(cfg.seed + rank)
             dtype, ctx, scaler = precision(cfg, device, master)
             ds = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size)
@@ -236,9 +237,8 @@ def train(cfg):
             cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})  # GPT-2 weights bring their shape
 
             # the optimizer: AdamW over the model's three groups, restored on resume with this run's settings
-            with open(os.devnull, "w") as devnull, redirect_stdout(devnull):  # nanoGPT's parameter counts
-                optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                                       device.type, route_lr_mult=cfg.route_lr_mult)
+            optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                                   device.type, route_lr_mult=cfg.route_lr_mult)
             elapsed = 0.0
             if ckpt is not None:
                 load_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp, rank)
@@ -394,6 +394,63 @@ def train(cfg):
                 record.finish()
 
 
+# -----------------------------------------------------------------------------
+# the command line: `python train.py --residual delta ...`; cli.py, compare and studies build their configs here too
+
+def make_config(preset=None, **overrides):
+    """TrainConfig from a named preset plus field overrides; bad names and values raise ConfigError."""
+    cfg = preset_config(TrainConfig, PRESETS, preset, **overrides)
+    check_config(cfg)
+    return cfg
+
+
+def resume_config(preset=None, **overrides):
+    """The config of the run in out_dir (from its last.pt) with `overrides` on top, for --resume; another
+    architecture is refused, naming the options given and the run's values."""
+    out_dir = out_dir_of(preset_config(TrainConfig, PRESETS, preset, **{**overrides, "resume": True}))
+    ckpt = load_checkpoint(Path(out_dir) / "last.pt", mmap=True)
+    names = {f.name for f in fields(TrainConfig)}
+    saved = replace(TrainConfig(), **{k: v for k, v in ckpt["config"].items() if k in names})
+    if preset is not None and preset != saved.preset:
+        raise ConfigError(f"--preset {preset} differs from the run's preset {saved.preset}; a resumed run keeps its preset")
+    has = model_config(saved, vocab_size=1)  # the run's architecture, each mode's defaults filled in
+    changed = [f"--{flag(k)} {v} (the run has {getattr(has, k) if getattr(has, k) is not None else 'none'})"
+               for k, v in overrides.items() if k in ARCH_FIELDS and v != getattr(has, k)]
+    if changed:
+        raise ConfigError(f"cannot resume {out_dir} with another architecture: {'; '.join(changed)}; "
+                          f"leave these out, or train a new run in another --out-dir")
+    # the saved init_from only records where the run began: its weights now come from last.pt
+    cfg = replace(saved, **{**overrides, "resume": True})
+    check_config(cfg)
+    return cfg
+
+
+def config_from_args(argv):
+    """The TrainConfig a command line asks for: a fresh run, or with --resume the run in out_dir."""
+    preset, overrides = parse_args(argv, TrainConfig)
+    try:
+        return resume_config(preset, **overrides) if overrides.get("resume") else make_config(preset, **overrides)
+    except ConfigError as e:
+        raise ConfigError(as_typed(str(e))) from None
+
+
+def main(argv=None):
+    """`python train.py ...`: parse options, train, and turn bad input into one line and exit 1 (130 when interrupted)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print("usage: python train.py [--preset P] [--FIELD VALUE ...]   (or python cli.py train ...)\n")
+        print(train_help(TrainConfig, PRESETS).replace("\b\n", ""))
+        return
+    try:
+        cfg = config_from_args(argv)
+        apply_process_settings(cfg)
+        train(cfg)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except DeltaGPTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    from workbench.options import main
     main()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.errors import DeltaGPTError
+from errors import DeltaGPTError
 
 
 class DataError(DeltaGPTError):

@@ -2,14 +2,18 @@
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from errors import check_packages  # noqa: E402
+
+check_packages(("pytest", "torch", "numpy", "tqdm", "typer", "tiktoken"))  # one line in a shell without the .venv
+
+import pytest  # noqa: E402
+
 import data  # noqa: E402
-from workbench import system  # noqa: E402
+from plumbing import system  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 import cli
 import data
 from conftest import ROOT
-from workbench import checkpoint as CK, report as R, rundir as RD
-from workbench.errors import ConfigError
+from plumbing import checkpoint as CK, rundir as RD
+from workbench import report as R
+from errors import ConfigError
 
 runner = CliRunner()
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
@@ -441,3 +442,13 @@ def test_usage_errors_keep_typers_exit_status_2():
     for args in (["sample", "--ckpt", "x.pt", "--num-samples", "abc"], ["sample"], ["frobnicate"]):
         result = run(*args)
         assert result.exit_code == 2 and "Usage:" in result.output, result.output
+
+
+@pytest.mark.parametrize("argv", [["cli.py", "train", "--help"], ["cli.py", "sample", "--ckpt", "x.pt"], ["cli.py", "--help"],
+                                  ["-c", "import sys; sys.path.insert(0, 'tests'); import conftest"]])
+def test_a_python_without_the_packages_gets_one_line(argv):
+    # -S leaves out site-packages, as a shell where the .venv is not active does: one line naming the fix
+    out = subprocess.run([sys.executable, "-S", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1 and "lacks delta-gpt's packages" in lines[0], out.stderr
+    assert "make install" in lines[0] and ".venv/bin/activate" in lines[0] and not out.stdout

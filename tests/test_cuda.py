@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import train
 from delta_gpt import GPT, GPTConfig, RESIDUALS
-from workbench import checkpoint as CK, options as O
+from plumbing import checkpoint as CK, config as O
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -120,7 +120,7 @@ def tiny_run(tiny_data, tmp_path, name, **kw):
                    compile=False, n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=4, max_iters=2,
                    warmup_iters=0, eval_interval=1000, eval_iters=1, log_interval=1, ckpt_interval=1000,
                    progress=False), **kw)
-    return O.make_config("cpu", **kw)
+    return train.make_config("cpu", **kw)
 
 
 class InfGradientAt:
@@ -278,7 +278,7 @@ DDP_SCRIPT = textwrap.dedent("""
     from delta_gpt import GPT, GPTConfig, RESIDUALS
 
     # train.train under torchrun's variables: NCCL process group of one
-    cfg = O.make_config("cpu", dataset="tiny", data_dir=sys.argv[2], out_dir=sys.argv[3], device="cuda",
+    cfg = train.make_config("cpu", dataset="tiny", data_dir=sys.argv[2], out_dir=sys.argv[3], device="cuda",
                             compile=False, n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=4, max_iters=2,
                             eval_interval=1000, eval_iters=1, residual="delta", progress=False)
     summary = train.train(cfg)

@@ -11,8 +11,8 @@ import sample as S
 import train as T
 from conftest import ROOT
 from test_train import cfg_for, cli_args, train_losses
-from workbench import checkpoint as CK, options as O
-from workbench.errors import ConfigError
+from plumbing import checkpoint as CK, config as O
+from errors import ConfigError
 
 STEPS = dict(max_iters=6, lr_decay_iters=6, eval_interval=3, ckpt_interval=3, gradient_accumulation_steps=2)
 
@@ -58,7 +58,7 @@ def test_fsdp_resume_is_exact_and_crosses_to_and_from_one_process(tiny_data, tmp
     T.train(cfg_for(tiny_data, tmp_path / "b", residual="delta", **{**STEPS, "max_iters": 3}))
     ok(torchrun(tiny_data, tmp_path / "b", resume=True))
     ok(torchrun(tiny_data, tmp_path / "c", residual="delta", max_iters=3))
-    T.train(O.resume_config(out_dir=str(tmp_path / "c"), max_iters=6, fsdp=False))
+    T.train(T.resume_config(out_dir=str(tmp_path / "c"), max_iters=6, fsdp=False))
     for run in ("a", "b", "c"):
         torch.testing.assert_close(train_losses(tmp_path / run), full, rtol=1e-6, atol=1e-6)
 

@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from delta_gpt import GPT, GPTConfig, RESIDUALS, LayerNorm, Router, RouteRead, Score, folded_queries, is_routing_key
-from workbench import checkpoint as CK
+from plumbing import checkpoint as CK
 from workbench.bench import saved_bytes  # bytes autograd saves for backward, each storage once, parameters left out
 
 VOCAB = 61

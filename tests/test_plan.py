@@ -5,11 +5,12 @@ import re
 import pytest
 import torch
 
+import train as T
 from workbench import bench
 from workbench import plan as P
 from delta_gpt import GPT
 from test_cli import ok, refused
-from workbench import options as O
+from plumbing import config as O
 
 VOCAB = 65
 TINY = ["--preset", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16",
@@ -17,7 +18,7 @@ TINY = ["--preset", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", 
 
 
 def small(**kw):
-    return O.make_config("cpu", **{**dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4,
+    return T.make_config("cpu", **{**dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4,
                                           gradient_accumulation_steps=4, dtype="float32"), **kw})
 
 

@@ -9,6 +9,7 @@ import matplotlib.image
 import pytest
 import torch
 
+from plumbing import routing_stats as RS
 from workbench import report
 from delta_gpt import GPT, GPTConfig, RESIDUALS
 
@@ -31,7 +32,7 @@ def idx_batch(B=2, T=16):
 @pytest.mark.parametrize("residual", ROUTED)
 def test_routing_stats_in_range(residual):
     model = model_of(residual, queries=2.0)
-    stats = report.routing_stats(model, idx_batch())
+    stats = RS.routing_stats(model, idx_batch())
     assert [r["n"] for r in stats["sublayers"]] == model.sources_per_router()
     assert [r["name"] for r in stats["sublayers"]][:2] == ["h.0.attn", "h.0.mlp"]
     for r in stats["sublayers"]:
@@ -44,7 +45,7 @@ def test_routing_stats_in_range(residual):
 
 
 def test_routing_stats_uniform_at_zero_init():
-    stats = report.routing_stats(model_of("delta"), idx_batch())
+    stats = RS.routing_stats(model_of("delta"), idx_batch())
     for r in stats["sublayers"]:
         assert abs(r["max_weight"] - 1 / r["n"]) < 1e-6
         if r["n"] > 1:
@@ -53,7 +54,7 @@ def test_routing_stats_uniform_at_zero_init():
 
 def test_routing_stats_refuse_baseline():
     with pytest.raises(ValueError, match="a baseline model has no routing to report; train or convert a routed model"):
-        report.routing_stats(model_of("baseline"), idx_batch())
+        RS.routing_stats(model_of("baseline"), idx_batch())
 
 
 @pytest.mark.parametrize("residual,kw,names", [
@@ -63,11 +64,11 @@ def test_routing_stats_refuse_baseline():
     ("attnres", dict(n_route_blocks=4, route_sources="cumulative"), ["e", "x1", "x2", "x3", "x4"]),
 ])
 def test_sources_are_named_by_what_they_are(residual, kw, names):
-    assert report.source_names(model_of(residual, **kw).config) == names
+    assert RS.source_names(model_of(residual, **kw).config) == names
 
 
 def test_table_has_a_legend_for_every_column():
-    stats = report.routing_stats(model_of("delta", queries=1.0), idx_batch())
+    stats = RS.routing_stats(model_of("delta", queries=1.0), idx_batch())
     table = report.routing_table([("delta", stats)])
     legend = table.split("\n\n")[-1]
     assert legend == report.TABLE_LEGEND
@@ -81,8 +82,8 @@ def test_results_page_shows_the_legend_report_prints():
 
 
 def test_draw_routing_writes_one_and_two_report_pictures(tmp_path):
-    delta = report.routing_stats(model_of("delta", queries=1.0), idx_batch())
-    attnres = report.routing_stats(model_of("attnres", queries=1.0, n_route_blocks=2), idx_batch())
+    delta = RS.routing_stats(model_of("delta", queries=1.0), idx_batch())
+    attnres = RS.routing_stats(model_of("attnres", queries=1.0, n_route_blocks=2), idx_batch())
     report.draw_routing([("delta", delta)], tmp_path / "one.png")
     report.draw_routing([("delta", delta), ("attnres", attnres)], tmp_path / "two.png")
     assert (tmp_path / "one.png").stat().st_size > 10_000 and (tmp_path / "two.png").stat().st_size > 10_000

@@ -12,7 +12,8 @@ import pytest
 
 import train as T
 from test_cli import ok, refused, run
-from workbench import checkpoint as CK, report as R, rundir as RD, study as S
+from plumbing import checkpoint as CK, rundir as RD
+from workbench import report as R, study as S
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, max_iters=4, warmup_iters=2,
             eval_interval=2, eval_iters=2, log_interval=1, ckpt_interval=2, progress=False, dataset="tiny")

@@ -16,15 +16,15 @@ import data
 import train as T
 from conftest import ROOT
 from delta_gpt import GPT, GPTConfig, RESIDUALS
-from workbench import checkpoint as CK, options as O, rundir as RD, system as SY
-from workbench.errors import ConfigError, DeltaGPTError, TrainError
+from plumbing import checkpoint as CK, config as O, rundir as RD, system as SY
+from errors import ConfigError, DeltaGPTError, TrainError
 
 
 def cfg_for(tiny_data, out_dir, **kw):
     base = dict(dataset="tiny", data_dir=str(tiny_data), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32,
                 block_size=16, batch_size=4, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
                 eval_iters=2, log_interval=1, ckpt_interval=4, progress=False)
-    return O.make_config("cpu", **{**base, **kw})
+    return T.make_config("cpu", **{**base, **kw})
 
 
 def cli_args(tiny_data, out_dir, **kw):
@@ -54,7 +54,7 @@ def test_resume_is_bit_exact(tiny_data, tmp_path, residual):
     T.train(full)
     half = cfg_for(tiny_data, tmp_path / "half", residual=residual, dropout=0.1, max_iters=4)
     T.train(half)
-    resumed = O.resume_config(out_dir=str(tmp_path / "half"), max_iters=8)
+    resumed = T.resume_config(out_dir=str(tmp_path / "half"), max_iters=8)
     assert resumed.lr_decay_iters == 8 and resumed.dropout == 0.1 and resumed.residual == residual
     T.train(resumed)
     assert train_losses(tmp_path / "half") == train_losses(tmp_path / "full")
@@ -110,7 +110,7 @@ def test_tiny_model_overfits_one_batch(residual):
 
 FAULTS_PER_STEP = """
 import resource, statistics, sys, torch
-from workbench import system as SY
+from plumbing import system as SY
 from delta_gpt import GPT, GPTConfig
 if sys.argv[1] == "keep":
     assert SY.keep_freed_memory()
@@ -184,7 +184,7 @@ def test_sigint_writes_a_loadable_checkpoint_and_resumes(tiny_data, tmp_path):
     assert "Traceback" not in stderr and "stopped by signal at step" in stdout
     ckpt = CK.load_checkpoint(out / "last.pt")
     assert ckpt["iter_num"] >= 5
-    T.train(O.resume_config(out_dir=str(out), max_iters=ckpt["iter_num"] + 2))
+    T.train(T.resume_config(out_dir=str(out), max_iters=ckpt["iter_num"] + 2))
     assert CK.load_checkpoint(out / "last.pt")["iter_num"] == ckpt["iter_num"] + 2
 
 
@@ -225,7 +225,7 @@ def test_resume_with_other_architecture_names_the_fields(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
     with pytest.raises(ConfigError, match="another architecture: --n-layer 3 \\(the run has 2\\); "
                                             "--residual delta \\(the run has baseline\\); leave these out") as info:
-        O.resume_config(out_dir=str(tmp_path / "run"), n_layer=3, residual="delta")
+        T.resume_config(out_dir=str(tmp_path / "run"), n_layer=3, residual="delta")
     assert "route_partial" not in str(info.value)  # only the settings the user gave, no internal defaults
 
 
@@ -234,24 +234,24 @@ def test_resume_checks_options_against_the_run_not_the_preset(tiny_data, tmp_pat
     make n_route_blocks=4 wrong for delta), another head count is named against the run's, and routing
     options on a baseline run name the run's 'none'."""
     T.train(cfg_for(tiny_data, tmp_path / "delta", residual="delta", max_iters=2))
-    cfg = O.resume_config(out_dir=str(tmp_path / "delta"), residual="delta", n_route_blocks=4, route_partial=True,
+    cfg = T.resume_config(out_dir=str(tmp_path / "delta"), residual="delta", n_route_blocks=4, route_partial=True,
                           max_iters=3)
     assert cfg.n_embd == 32 and cfg.max_iters == 3
     with pytest.raises(ConfigError, match=r"another architecture: --n-head 3 \(the run has 2\)"):
-        O.resume_config(out_dir=str(tmp_path / "delta"), n_head=3)
+        T.resume_config(out_dir=str(tmp_path / "delta"), n_head=3)
     T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=2))
     with pytest.raises(ConfigError, match=r"--route-partial True \(the run has none\)"):
-        O.resume_config(out_dir=str(tmp_path / "base"), route_partial=True)
+        T.resume_config(out_dir=str(tmp_path / "base"), route_partial=True)
 
 
 def test_missing_dataset_names_the_prepare_command(tmp_path):
-    cfg = O.make_config("cpu", dataset="nosuch", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), progress=False)
+    cfg = T.make_config("cpu", dataset="nosuch", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), progress=False)
     with pytest.raises(data.DataError, match="python cli.py prepare"):
         T.train(cfg)
 
 
 def test_default_dataset_is_prepared_when_missing(tmp_path):
-    cfg = O.make_config("cpu", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), max_iters=1, eval_iters=1,
+    cfg = T.make_config("cpu", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), max_iters=1, eval_iters=1,
                         n_layer=1, n_embd=32, progress=False)
     T.train(cfg)
     assert (tmp_path / "shakespeare_char" / "meta.json").exists()
@@ -297,12 +297,12 @@ def test_corrupt_or_truncated_checkpoint_is_a_clear_error(tiny_data, tmp_path):
 ])
 def test_parse_args_refuses_bad_options(argv, message):
     with pytest.raises(ValueError, match=message.replace("?", "\\?").replace("(", "\\(")):
-        O.parse_args(argv)
+        O.parse_args(argv, T.TrainConfig)
 
 
 def test_parse_args_forms():
     preset, o = O.parse_args(["--preset", "cpu", "--max_iters=5", "--no-compile", "--bias", "--n-route-blocks", "none",
-                              "--learning-rate", "3e-4"])
+                              "--learning-rate", "3e-4"], T.TrainConfig)
     assert preset == "cpu" and o == dict(max_iters=5, compile=False, bias=True, n_route_blocks=None, learning_rate=3e-4)
 
 
@@ -317,12 +317,12 @@ def test_parse_args_forms():
 ])
 def test_bad_config_values(kw, message):
     with pytest.raises(ValueError, match=message):
-        O.make_config("cpu", **kw)
+        T.make_config("cpu", **kw)
 
 
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of cpu, shakespeare_char, gpt2_124m, paper_220m"):
-        O.make_config("huge")
+        T.make_config("huge")
 
 
 @pytest.mark.slow  # a subprocess
@@ -385,7 +385,7 @@ def test_every_option_has_help_text():
 
 
 def test_lr_schedule():
-    cfg = O.make_config("cpu", max_iters=100, warmup_iters=10, learning_rate=1.0, min_lr=0.1)
+    cfg = T.make_config("cpu", max_iters=100, warmup_iters=10, learning_rate=1.0, min_lr=0.1)
     assert T.get_lr(0, cfg) == pytest.approx(1 / 11)
     assert T.get_lr(10, cfg) == pytest.approx(1.0)
     assert T.get_lr(100, cfg) == pytest.approx(0.1)
@@ -412,7 +412,7 @@ def test_resume_after_interrupt_is_bit_exact(tiny_data, tmp_path, monkeypatch):
         T.train(cfg_for(tiny_data, tmp_path / "cut", residual="delta", dropout=0.1))
     monkeypatch.setattr(GPT, "forward", forward)
     assert CK.load_checkpoint(tmp_path / "cut" / "last.pt")["iter_num"] == 3
-    T.train(O.resume_config(out_dir=str(tmp_path / "cut")))
+    T.train(T.resume_config(out_dir=str(tmp_path / "cut")))
     assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "full")
     a, b = params(tmp_path / "full" / "last.pt"), params(tmp_path / "cut" / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -449,13 +449,13 @@ def test_resume_applies_changed_optimizer_settings(tiny_data, tmp_path, monkeypa
         return step(self, *a, **k)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", spy)
-    T.train(O.resume_config(out_dir=str(tmp_path / "run"), max_iters=5, weight_decay=0.0, beta2=0.5, route_lr_mult=5.0))
+    T.train(T.resume_config(out_dir=str(tmp_path / "run"), max_iters=5, weight_decay=0.0, beta2=0.5, route_lr_mult=5.0))
     assert seen == {"decay": (0.0, (0.9, 0.5), 1.0), "no_decay": (0.0, (0.9, 0.5), 1.0), "routing": (0.0, (0.9, 0.5), 5.0)}
 
 
 def test_resume_float32_run_as_float16(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
-    T.train(O.resume_config(out_dir=str(tmp_path / "run"), max_iters=3, dtype="float16"))
+    T.train(T.resume_config(out_dir=str(tmp_path / "run"), max_iters=3, dtype="float16"))
     assert CK.load_checkpoint(tmp_path / "run" / "last.pt")["scaler"]  # the enabled scaler's state is saved
 
 
@@ -463,7 +463,7 @@ def test_torn_metrics_line_does_not_block_resume(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=4))
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 5, "train_lo')  # a kill -9 mid-write
-    T.train(O.resume_config(out_dir=str(tmp_path / "run"), max_iters=6))
+    T.train(T.resume_config(out_dir=str(tmp_path / "run"), max_iters=6))
     assert [s for s, _ in train_losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
 
 
@@ -471,10 +471,10 @@ def test_run_started_with_init_from_can_resume(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "base", max_iters=4))
     T.train(cfg_for(tiny_data, tmp_path / "delta", residual="delta", max_iters=4,
                     init_from=str(tmp_path / "base" / "last.pt")))
-    T.train(O.resume_config(out_dir=str(tmp_path / "delta"), max_iters=6))
+    T.train(T.resume_config(out_dir=str(tmp_path / "delta"), max_iters=6))
     assert CK.load_checkpoint(tmp_path / "delta" / "last.pt")["iter_num"] == 6
     with pytest.raises(ValueError, match="cannot be combined with --init-from"):
-        O.resume_config(out_dir=str(tmp_path / "delta"), init_from="x.pt")
+        T.resume_config(out_dir=str(tmp_path / "delta"), init_from="x.pt")
 
 
 def test_init_from_routed_checkpoint_into_other_mode_zeroes_routing(tiny_data, tmp_path):
@@ -499,7 +499,7 @@ def test_eval_only_needs_a_trained_model(tiny_data, tmp_path):
     with pytest.raises(ValueError, match="--eval-only evaluates a trained model"):
         cfg_for(tiny_data, tmp_path / "run", eval_only=True)
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
-    out = T.train(O.resume_config(out_dir=str(tmp_path / "run"), eval_only=True))
+    out = T.train(T.resume_config(out_dir=str(tmp_path / "run"), eval_only=True))
     assert out["iter_num"] == 2 and out["val_loss"] > 0
 
 
@@ -514,7 +514,7 @@ def test_init_from_gpt2_takes_the_models_shape(tmp_path, monkeypatch):
         return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=1024, vocab_size=50257, bias=True, **override_args))
 
     monkeypatch.setattr(GPT, "from_pretrained", staticmethod(fake_from_pretrained))
-    cfg = O.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), init_from="gpt2",
+    cfg = T.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), init_from="gpt2",
                         residual="delta", block_size=16, batch_size=2, max_iters=1, eval_iters=1, progress=False)
     T.train(cfg)
     assert calls[0][0] == "gpt2" and calls[0][1]["residual"] == "delta"
@@ -522,9 +522,9 @@ def test_init_from_gpt2_takes_the_models_shape(tmp_path, monkeypatch):
     assert saved["config"]["n_layer"] == saved["model_config"]["n_layer"] == 1
     assert saved["model_config"]["block_size"] == 16 and saved["config"]["bias"] is True
     with pytest.raises(ValueError, match="has 1024 positions"):
-        O.make_config("cpu", init_from="gpt2", block_size=2048)
+        T.make_config("cpu", init_from="gpt2", block_size=2048)
     with pytest.raises(TrainError, match="gpt2_run.pt does not exist"):  # a path, not a model name
-        T.train(O.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "r3"),
+        T.train(T.make_config("cpu", dataset="bpe", data_dir=str(tmp_path), out_dir=str(tmp_path / "r3"),
                               init_from=str(tmp_path / "gpt2_run.pt"), block_size=16, progress=False))
 
 
@@ -561,7 +561,7 @@ def test_a_refused_training_leaves_the_folder_as_it_was(tiny_data, tmp_path):
 
 @pytest.mark.slow  # a subprocess
 def test_a_killed_run_leaves_no_stale_lock(tiny_data, tmp_path):
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from workbench import rundir as RD; "
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from plumbing import rundir as RD; "
             "lock = RD.RunLock(sys.argv[2], True); print('locked', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
     try:
@@ -582,7 +582,7 @@ def test_resume_and_overwrite_together_are_refused(tiny_data, tmp_path):
 def test_resuming_a_finished_run_says_how_to_continue(tiny_data, tmp_path):
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=2))
     with pytest.raises(ConfigError, match="already reached --max-iters 2 .*raise --max-iters"):
-        T.train(O.resume_config(out_dir=str(tmp_path / "run")))
+        T.train(T.resume_config(out_dir=str(tmp_path / "run")))
 
 
 def test_overwrite_refuses_an_init_checkpoint_inside_the_run_it_would_clear(tiny_data, tmp_path):
@@ -620,16 +620,16 @@ def test_progress_without_a_terminal_prints_plain_lines(tiny_data, tmp_path, cap
 def test_threads_option_is_a_process_setting_of_the_entry_point(monkeypatch):
     before = torch.get_num_threads()
     try:
-        SY.apply_process_settings(O.make_config("cpu", threads=1, device="cpu"))
+        SY.apply_process_settings(T.make_config("cpu", threads=1, device="cpu"))
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
         monkeypatch.setattr(SY, "busy_cores", lambda: 1)  # another job holds one core of two
-        SY.apply_process_settings(O.make_config("cpu", device="cpu"))
+        SY.apply_process_settings(T.make_config("cpu", device="cpu"))
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="--threads must be at least 1"):
-        O.make_config("cpu", threads=0)
+        T.make_config("cpu", threads=0)
 
 
 @pytest.mark.slow
@@ -637,7 +637,7 @@ def test_fast_routing_is_a_training_option_not_architecture(tiny_data, tmp_path)
     """A run trained on the plain path resumes on the fast one (and the losses agree to float rounding)."""
     T.train(cfg_for(tiny_data, tmp_path / "plain", residual="delta", fast_routing=False, max_iters=4))
     assert CK.load_checkpoint(tmp_path / "plain" / "last.pt")["model_config"]["fast_routing"] is False
-    T.train(O.resume_config(out_dir=str(tmp_path / "plain"), max_iters=8, fast_routing=True))
+    T.train(T.resume_config(out_dir=str(tmp_path / "plain"), max_iters=8, fast_routing=True))
     T.train(cfg_for(tiny_data, tmp_path / "fast", residual="delta"))
     torch.testing.assert_close(train_losses(tmp_path / "plain"), train_losses(tmp_path / "fast"), rtol=1e-5, atol=1e-5)
 
@@ -656,7 +656,7 @@ def test_a_run_that_diverged_before_its_first_checkpoint_is_started_again_with_o
         T.train(cfg)
     assert "--resume" not in str(info.value)
     with pytest.raises(TrainError, match="the run in .* stopped before writing it; start it again with --overwrite"):
-        O.resume_config(out_dir=str(tmp_path / "run"))
+        T.resume_config(out_dir=str(tmp_path / "run"))
     T.train(cfg_for(tiny_data, tmp_path / "run", ckpt_interval=8, overwrite=True))
     assert CK.load_checkpoint(tmp_path / "run" / "last.pt")["iter_num"] == 8
 
@@ -668,14 +668,14 @@ def test_a_run_still_before_its_first_checkpoint_says_so(tiny_data, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps(dict(config=dict(ckpt_interval=250))))
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from workbench import rundir as RD; "
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from plumbing import rundir as RD; "
             "lock = RD.RunLock(sys.argv[2], True); print('locked', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(run)], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "locked"
         said = f"does not exist yet: the run in {run} is still training \\(process {p.pid}\\) and writes it at step 250"
         with pytest.raises(TrainError, match=said):
-            O.resume_config(out_dir=str(run))
+            T.resume_config(out_dir=str(run))
         with pytest.raises(TrainError, match=said):
             CK.load_model(run / "last.pt")
         with pytest.raises(TrainError, match="best.pt does not exist yet: .* at its first evaluation that improves"):
@@ -725,7 +725,7 @@ def test_messages_name_options_as_typed_on_the_command_line(tiny_data, tmp_path)
                        (["--residual", "baseline", "--route-partial"], "--route-partial is set but --residual baseline "
                                                                          "has no routing; leave --route-partial unset")):
         with pytest.raises(ConfigError) as info:
-            O.config_from_args(argv)
+            T.config_from_args(argv)
         assert said in str(info.value) and "=" not in str(info.value).replace("2*n_layer=", ""), str(info.value)
 
 
@@ -750,8 +750,8 @@ def test_static_routing_is_recorded_as_architecture(tiny_data, tmp_path):
     assert ckpt["model_config"]["route_weights"] == "static" and ckpt["config"]["route_weights"] == "static"
     assert any(k.endswith("attn_router.logits") for k in ckpt["model"]) and not any(k.endswith("query") for k in ckpt["model"])
     with pytest.raises(ConfigError, match="--route-weights dynamic \\(the run has static\\)"):
-        O.resume_config(out_dir=str(tmp_path / "static"), route_weights="dynamic", max_iters=8)
-    T.train(O.resume_config(out_dir=str(tmp_path / "static"), max_iters=6))
+        T.resume_config(out_dir=str(tmp_path / "static"), route_weights="dynamic", max_iters=8)
+    T.train(T.resume_config(out_dir=str(tmp_path / "static"), max_iters=6))
     from workbench import report as R
     table, _ = R.report_checkpoints([tmp_path / "static" / "last.pt"], batches=1, batch_size=2)
     assert "delta" in table
@@ -766,8 +766,8 @@ def test_multi_head_routing_is_recorded_as_architecture(tiny_data, tmp_path):
     ckpt = CK.load_checkpoint(tmp_path / "heads" / "last.pt")
     assert ckpt["model_config"]["route_heads"] == 4 and ckpt["config"]["route_heads"] == 4
     with pytest.raises(ConfigError, match="--route-heads 2 \\(the run has 4\\)"):
-        O.resume_config(out_dir=str(tmp_path / "heads"), route_heads=2, max_iters=8)
-    T.train(O.resume_config(out_dir=str(tmp_path / "heads"), max_iters=6))
+        T.resume_config(out_dir=str(tmp_path / "heads"), route_heads=2, max_iters=8)
+    T.train(T.resume_config(out_dir=str(tmp_path / "heads"), max_iters=6))
     from workbench import report as R
     _, written = R.report_checkpoints([tmp_path / "heads" / "last.pt"], batches=1, batch_size=2)
     rows = json.loads(written[0].read_text())["delta_block"]["sublayers"]

@@ -11,7 +11,7 @@ import pytest
 import train as T
 from test_cli import refused
 from test_train import cfg_for, cli_args, train_losses
-from workbench import rundir as RD
+from plumbing import rundir as RD
 
 BLOCK = 32768  # the .wandb log's block size
 

@@ -1,2 +1,2 @@
-"""The workbench around the core (delta_gpt.py, train.py): options, checkpoints, the run directory,
-distributed training, process settings, and the tools (report, compare and studies, bench, plan, gpu-check)."""
+"""The tools above train.py, each calling train() or reading its runs: compare and studies, report, bench,
+plan and gpu-check. The plumbing train.py needs lives below it, in plumbing/."""

@@ -21,8 +21,8 @@ from dataclasses import replace
 import torch
 
 from delta_gpt import GPT, GPTConfig, RESIDUALS
-from workbench.errors import DeltaGPTError
-from workbench.system import keep_freed_memory
+from errors import DeltaGPTError
+from plumbing.system import keep_freed_memory
 
 # name -> (model config, batch size), fp32 eager on the CPU: the cpu preset's model (character vocabulary) and GPT-2 small
 CONFIGS = {

@@ -17,19 +17,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import data
-from delta_gpt import RESIDUALS
-from workbench import options as O
+from delta_gpt import GPT, RESIDUALS
+from errors import ConfigError, DeltaGPTError
+import train as T
+from plumbing import config as O
+from plumbing.checkpoint import load_checkpoint
+from plumbing.rundir import StopFlag, check_same_data, read_metrics
+from plumbing.system import apply_process_settings, pick_device
 from workbench import report as R
 from workbench import study as S
-from workbench.checkpoint import load_checkpoint
-from workbench.errors import ConfigError, DeltaGPTError
-from workbench.rundir import StopFlag, check_same_data, read_metrics
-from workbench.system import apply_process_settings, pick_device
-
-
-def run_settings(cfg):
-    """The settings that decide a run's numbers, with the model's defaults filled in as the run records them."""
-    return {k: v for k, v in asdict(O.with_model_defaults(cfg)).items() if k not in O.BOOKKEEPING_FIELDS}
 
 
 def settings_diff(recorded, asked):
@@ -63,8 +59,8 @@ def run_state(cfg, overwrite=False):
     recorded, step = recorded_settings(cfg.out_dir)
     if recorded is None or overwrite:
         return ("new" if recorded is None else "restart"), 0
-    diff = settings_diff(run_settings(type(cfg)(**{k: v for k, v in recorded.items() if hasattr(cfg, k)})),
-                         run_settings(cfg))
+    diff = settings_diff(S.run_settings(type(cfg)(**{k: v for k, v in recorded.items() if hasattr(cfg, k)})),
+                         S.run_settings(cfg))
     if diff:
         raise ConfigError(f"{cfg.out_dir} holds a run with other settings: {'; '.join(diff)}; choose another "
                           f"--out, or pass --overwrite to train it again")
@@ -88,8 +84,7 @@ def train_or_reuse(cfg, state, label, echo=print):
     if state == "finished":
         echo(f"{label}: reusing the finished run in {cfg.out_dir}")
         return None
-    import train  # the core's train(), the one thing the workbench calls in train.py
-    return train.train(replace(cfg, resume=state == "resume", overwrite=state == "restart"))
+    return T.train(replace(cfg, resume=state == "resume", overwrite=state == "restart"))
 
 
 def train_side_by_side(todo, jobs, echo=print):
@@ -184,7 +179,7 @@ def study_of(study_file=None, residual=None, seeds=None, argv=()):
     options in argv (--preset P, --max-iters N, ...) go on top of its [train]."""
     if study_file is not None and (residual is not None or seeds is not None):
         raise S.StudyError("--study sets its own variants and seeds; leave out --residual and --seeds")
-    preset, overrides = O.parse_args(argv)
+    preset, overrides = O.parse_args(argv, T.TrainConfig)
     if study_file is not None:
         return S.load_study(study_file, overrides, preset)
     try:
@@ -197,7 +192,7 @@ def study_of(study_file=None, residual=None, seeds=None, argv=()):
 
 def process_config(study):
     """A TrainConfig holding the process-wide settings (threads, device, malloc) the study's runs ask for."""
-    return O.make_config(study.preset, **{k: v for k, v in study.train.items() if k in O.PROCESS_FIELDS})
+    return T.make_config(study.preset, **{k: v for k, v in study.train.items() if k in O.PROCESS_FIELDS})
 
 
 def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
@@ -275,7 +270,6 @@ def estimated_run_seconds(cfg):
     (after one untimed; the fastest, as others' work on a shared machine only slows a step down) and its
     evaluations counted as forward passes at a third of a step each: a rough estimate."""
     import torch
-    from delta_gpt import GPT
     ds, device = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size), pick_device(cfg)
     model = GPT(O.model_config(cfg, ds.vocab_size)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
@@ -307,4 +301,4 @@ def count(n, word):
 
 
 if __name__ == "__main__":  # one run of compare --jobs: python -m workbench.compare CONFIG_JSON STATE
-    train_logged(O.knobs()[0](**json.loads(sys.argv[1])), sys.argv[2])
+    train_logged(T.TrainConfig(**json.loads(sys.argv[1])), sys.argv[2])

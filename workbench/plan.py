@@ -14,10 +14,10 @@ import torch
 from torch.nn import functional as F
 
 import data
-from workbench import bench
-from workbench.errors import ConfigError
-from workbench import options as O
 from delta_gpt import GPT, LayerNorm
+from errors import ConfigError
+from plumbing import config as O
+from workbench import bench
 
 GIB = 2**30
 USABLE = 0.9  # the share of --gpu-memory a plan may fill

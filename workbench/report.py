@@ -6,7 +6,8 @@ Routing reports and mode comparisons for the CLI: statistics, terminal tables, J
     draw_routing([...], "report.png")                        # mean-weight heatmaps + max weight per sublayer
     study_rows(summaries, reference) / study_table(rows, reference) / draw_study(...)   # compare and studies
 
-matplotlib is imported inside the draw functions, so importing this module (train.py does) stays light.
+The statistics themselves (routing_stats) live in plumbing/routing_stats.py, which train.py uses at each
+evaluation; matplotlib is imported inside the draw functions, so importing this module stays light.
 Written JSON is strict: a statistic with no value (one source) is null, not NaN.
 """
 import json
@@ -15,9 +16,13 @@ import statistics
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
-from workbench.errors import ConfigError, DeltaGPTError
+import data
+from errors import ConfigError
+from plumbing.checkpoint import checkpoint_dataset, load_model
+from plumbing.config import at_least_one
+from plumbing.routing_stats import routing_stats
+from plumbing.rundir import check_folder, jsonable
 
 TABLE_LEGEND = """\
 n: the sublayer's number of sources; 1/n: the weight of each under uniform routing.
@@ -25,70 +30,6 @@ max w (max weight): a token's largest routing weight, averaged over tokens (1/n 
 entropy (/ log n): the entropy of a token's routing weights over log n, averaged (1 uniform, 0: one source takes all).
 adj cos: the cosine similarity of adjacent sources, averaged (near 1: they point the same way).
 deeper half: the sublayers past the middle of the model. Averages leave out sublayers with one source."""
-
-
-@torch.no_grad()
-def routing_stats(model, idx):
-    """Routing statistics of a routed GPT on a batch idx (B, T), from the record of each router's sources
-    and weights, per routed sublayer in order (the final router last): n sources, max_weight (mean over
-    tokens of max_i alpha_i; uniform gives 1/n), entropy (H / log n), mean_weight (mean alpha per source),
-    adj_cos (mean cosine similarity of adjacent sources). Averages leave out sublayers with one source;
-    deep_* average the deeper half of the sublayers. source_names: the sources' names, in order."""
-    cfg = model.config
-    if cfg.residual == "baseline":
-        raise DeltaGPTError("a baseline model has no routing to report; train or convert a routed model "
-                         "(--residual attnres, delta or delta_block)")
-    record = []
-    model.hidden(idx, record=record)
-    rows = [sublayer_row(name, k, sources, alpha)
-            for k, (name, (sources, alpha)) in enumerate(zip(sublayer_names(cfg), record), start=1)]
-    multi = [r for r in rows if r["n"] > 1]
-    deep = [r for r in multi if r["index"] > cfg.n_sublayers // 2]
-    mean = lambda rs, key: sum(r[key] for r in rs) / len(rs) if rs else float("nan")
-    return dict(
-        sublayers=rows,
-        mean_max_weight=mean(multi, "max_weight"), mean_entropy=mean(multi, "entropy"),
-        deep_max_weight=mean(deep, "max_weight"), deep_entropy=mean(deep, "entropy"),
-        mean_adj_cos=mean(multi, "adj_cos"), source_names=source_names(cfg),
-    )
-
-
-def sublayer_row(name, k, sources, alpha):
-    """One sublayer's statistics from its sources (n tensors (B, T, D)) and weights alpha (B, T, n), or
-    (B, T, H, n) with H routing heads: then each statistic is the mean over heads, and `heads` has each head's."""
-    cos = [F.cosine_similarity(a.float(), b.float(), dim=-1).mean().item() for a, b in zip(sources, sources[1:])]
-    row = dict(name=name, index=k, **weight_stats(alpha), adj_cos=sum(cos) / len(cos) if cos else float("nan"))
-    if alpha.dim() == 4:
-        row["heads"] = [weight_stats(alpha[:, :, h]) for h in range(alpha.size(2))]
-    return row
-
-
-def weight_stats(alpha):
-    """n, uniform 1/n, max_weight, entropy / log n and mean_weight of routing weights alpha (..., n)."""
-    n = alpha.size(-1)
-    entropy = -(alpha * alpha.clamp_min(1e-30).log()).sum(-1)
-    return dict(
-        n=n, uniform=1.0 / n,
-        max_weight=alpha.max(-1).values.mean().item(),
-        entropy=(entropy / math.log(n)).mean().item() if n > 1 else float("nan"),
-        mean_weight=alpha.reshape(-1, n).mean(0).tolist(),
-    )
-
-
-def sublayer_names(cfg):
-    """h.0.attn, h.0.mlp, h.1.attn, ..., and "final" for attnres's final router."""
-    names = [f"h.{i}.{kind}" for i in range(cfg.n_layer) for kind in ("attn", "mlp")]
-    return names + (["final"] if cfg.residual == "attnres" else [])
-
-
-def source_names(cfg):
-    """The sources in order: e, then v1, v2, ... per sublayer or b1, b2, ... per block (a block's partial
-    sum sits where the block will); for cumulative sources x1, x2, ... or x_b1, x_b2, ..., the stream
-    after sublayer or block j."""
-    piece = "v" if cfg.n_route_blocks == cfg.n_sublayers else "b"
-    if cfg.route_sources == "cumulative":
-        piece = "x" if piece == "v" else "x_b"
-    return ["e"] + [f"{piece}{j}" for j in range(1, cfg.n_route_blocks + 1)]
 
 
 def fmt(x, spec=".3f"):
@@ -178,7 +119,6 @@ def draw_routing(reports, path):
 
 
 def save_json(obj, path):
-    from workbench.rundir import jsonable
     with open(path, "w") as f:
         json.dump(jsonable(obj), f, indent=2, default=float, allow_nan=False)
         f.write("\n")
@@ -260,10 +200,6 @@ def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, 
     """Routing statistics of one or two routed checkpoints on the same fixed validation batches: returns the
     table and the files written (out/report.json and out/report.png; out defaults to beside the first).
     Every checkpoint is checked before anything is computed, and existing reports are kept unless force."""
-    import data
-    from workbench.checkpoint import checkpoint_dataset, load_model
-    from workbench.options import at_least_one
-    from workbench.rundir import check_folder
     if len(paths) > 2:
         raise ConfigError("report compares at most two checkpoints")
     at_least_one(batches=batches, batch_size=batch_size)

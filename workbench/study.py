@@ -9,14 +9,15 @@ import difflib
 import json
 import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
 from delta_gpt import RESIDUALS, ROUTING_FIELDS
-from workbench import options as O
-from workbench.rundir import check_folder
-from workbench.errors import DeltaGPTError
+from errors import DeltaGPTError
+import train as T
+from plumbing import config as O
+from plumbing.rundir import check_folder
 
 STUDY_KEYS = ("seeds", "reference", "preset", "train", "sweep", "variants", "pairs")
 ROUTING_ONLY = ROUTING_FIELDS + ("route_lr_mult",)  # no use to a baseline
@@ -125,8 +126,8 @@ def study_from_dict(raw, name, overrides=None, preset=None, where="the study"):
             raise StudyError(f"{where}: pairs [{a!r}, {b!r}] " + (f"names {unknown!r}, which is not a variant; choose "
                              f"from {', '.join(checked)}" if unknown is not None else "pairs a variant with itself"))
     preset = preset or raw.get("preset")
-    if preset is not None and preset not in O.knobs()[1]:
-        raise StudyError(f"{where}: unknown preset {preset!r}; choose one of {', '.join(O.knobs()[1])}")
+    if preset is not None and preset not in T.PRESETS:
+        raise StudyError(f"{where}: unknown preset {preset!r}; choose one of {', '.join(T.PRESETS)}")
     return Study(name, seeds, reference, preset, {**train, **cli}, sweep, checked, pairs)
 
 
@@ -134,7 +135,7 @@ def checked_options(options, where, flag=False):
     """options with each name a TrainConfig field and each value of its type (ints taken for floats)."""
     if not isinstance(options, dict):
         raise StudyError(f"{where} must be a table of options")
-    kinds = {f.name: str(f.type) for f in fields(O.knobs()[0])}
+    kinds = {f.name: str(f.type) for f in fields(T.TrainConfig)}
     out = {}
     for key, value in options.items():
         shown = f"--{O.flag(key)}" if flag else key
@@ -215,11 +216,15 @@ def sweep_applies(study, variant):
                                             and study.sweep[0] in ROUTING_ONLY)
 
 
+def run_settings(cfg):
+    """The settings that decide a run's numbers, with the model's defaults filled in as the run records them."""
+    return {k: v for k, v in asdict(O.with_model_defaults(cfg)).items() if k not in O.BOOKKEEPING_FIELDS}
+
+
 def cross(study, out):
     """Every Run of the study (sweep value x variant x seed), its TrainConfig built and checked; runs of
     a variant the sweep does not apply to appear at every value with one out_dir. Refuses two variants that
     would train the same model with the same settings."""
-    from workbench import compare as C
     out = Path(out)
     runs, seen = [], {}
     for value in (study.sweep[1] if study.sweep else [None]):
@@ -228,16 +233,16 @@ def cross(study, out):
             base = {k: v for k, v in study.train.items() if options["residual"] != "baseline" or k not in ROUTING_ONLY}
             kw = {**base, **options, **({study.sweep[0]: value} if swept else {})}
             if kw.get("n_route_blocks") == EVERY_SUBLAYER:
-                kw["n_route_blocks"] = 2 * kw.get("n_layer", O.make_config(study.preset).n_layer)
+                kw["n_route_blocks"] = 2 * kw.get("n_layer", T.make_config(study.preset).n_layer)
             folder = out / f"{study.sweep[0]}={value_label(value)}" if swept else out
             at = f" at {study.sweep[0]}={value_label(value)}" if swept else ""
             for seed in study.seeds:
                 try:
-                    cfg = O.make_config(study.preset, **kw, seed=seed, out_dir=str(folder / f"{vname}-s{seed}"))
+                    cfg = T.make_config(study.preset, **kw, seed=seed, out_dir=str(folder / f"{vname}-s{seed}"))
                 except DeltaGPTError as e:
                     raise StudyError(f"variant {vname!r}{at}: {e}") from None
                 runs.append(Run(vname, value, seed, cfg))
-            key = json.dumps({k: v for k, v in C.run_settings(cfg).items() if k != "seed"}, sort_keys=True, default=str)
+            key = json.dumps({k: v for k, v in run_settings(cfg).items() if k != "seed"}, sort_keys=True, default=str)
             other = seen.setdefault((value_label(value), key), vname)
             if other != vname:
                 raise StudyError(f"variants {other!r} and {vname!r} train the same model with the same settings{at}; "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.errors import ConfigError
+from errors import ConfigError
 
 
 def pick_device(cfg):

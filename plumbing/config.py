@@ -1,18 +1,19 @@
-"""Options: train.py's TrainConfig fields as command-line options, presets, and one clear error for a bad value.
+"""Options: the groups of TrainConfig fields, one clear error for a bad value or combination, the model's
+GPTConfig from a run's options, and the one parser of typed option values (command lines and study files).
+train.py binds these to its TrainConfig and PRESETS (train.make_config, train.config_from_args).
 
-    cfg = make_config("cpu", residual="delta", max_iters=100)   # checked
-    cfg = config_from_args(["--residual", "delta", "--resume"])  # what `python train.py ...` does
+    overrides = parse_args(["--residual", "delta", "--max-iters=100"], TrainConfig)[1]   # {'residual': 'delta', ...}
+    check_config(cfg)                                                                    # ConfigError if bad
 """
 import difflib
 import re
-import sys
 from dataclasses import fields, replace
-from pathlib import Path
 
 import torch
 
 from delta_gpt import GPT2_MODELS, GPTConfig, ROUTING_FIELDS
-from workbench.errors import ConfigError, DeltaGPTError
+from errors import ConfigError
+from plumbing.rundir import import_wandb
 
 MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name != "vocab_size")  # the TrainConfig fields that build GPTConfig
 ROUTE_FIELDS = ("residual", *ROUTING_FIELDS)  # --init-from may change these
@@ -22,26 +23,13 @@ BOOKKEEPING_FIELDS = ("out_dir", "resume", "overwrite", "progress", "eval_only",
 PROCESS_FIELDS = ("device", "threads", "keep_freed_memory")  # what system.apply_process_settings reads
 
 
-def knobs():
-    """(TrainConfig, PRESETS) from train.py, imported when first needed (train.py imports this module)."""
-    import train
-    return train.TrainConfig, train.PRESETS
-
-
 def default_preset():
     return "cpu" if not torch.cuda.is_available() else "shakespeare_char"
 
 
-def make_config(preset=None, **overrides):
-    """TrainConfig from a named preset plus field overrides; bad names and values raise ConfigError."""
-    cfg = preset_config(preset, **overrides)
-    check_config(cfg)
-    return cfg
-
-
-def preset_config(preset=None, **overrides):
-    """make_config's TrainConfig before its values are checked (unknown names and presets are refused)."""
-    TrainConfig, presets = knobs()
+def preset_config(TrainConfig, presets, preset=None, **overrides):
+    """A TrainConfig from a named preset plus field overrides, before its values are checked (unknown names
+    and presets are refused)."""
     preset = preset or default_preset()
     if preset not in presets:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(presets)}")
@@ -51,29 +39,6 @@ def preset_config(preset=None, **overrides):
     if overrides.get("resume") and overrides.get("init_from", "scratch") != "scratch":
         raise ConfigError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
     return replace(TrainConfig(), **{**presets[preset], **overrides, "preset": preset})
-
-
-def resume_config(preset=None, **overrides):
-    """The config of the run in out_dir (from its last.pt) with `overrides` on top, for --resume; another
-    architecture is refused, naming the options given and the run's values."""
-    from workbench.checkpoint import load_checkpoint
-    TrainConfig, _ = knobs()
-    out_dir = out_dir_of(preset_config(preset, **{**overrides, "resume": True}))
-    ckpt = load_checkpoint(Path(out_dir) / "last.pt", mmap=True)
-    names = {f.name for f in fields(TrainConfig)}
-    saved = replace(TrainConfig(), **{k: v for k, v in ckpt["config"].items() if k in names})
-    if preset is not None and preset != saved.preset:
-        raise ConfigError(f"--preset {preset} differs from the run's preset {saved.preset}; a resumed run keeps its preset")
-    has = model_config(saved, vocab_size=1)  # the run's architecture, each mode's defaults filled in
-    changed = [f"--{flag(k)} {v} (the run has {getattr(has, k) if getattr(has, k) is not None else 'none'})"
-               for k, v in overrides.items() if k in ARCH_FIELDS and v != getattr(has, k)]
-    if changed:
-        raise ConfigError(f"cannot resume {out_dir} with another architecture: {'; '.join(changed)}; "
-                          f"leave these out, or train a new run in another --out-dir")
-    # the saved init_from only records where the run began: its weights now come from last.pt
-    cfg = replace(saved, **{**overrides, "resume": True})
-    check_config(cfg)
-    return cfg
 
 
 def out_dir_of(cfg):
@@ -122,7 +87,6 @@ def check_config(cfg):
     if cfg.wandb_run_name is not None and not cfg.wandb_project:
         raise ConfigError("--wandb-run-name names a Weights & Biases run: add --wandb-project NAME")
     if cfg.wandb_project:
-        from workbench.rundir import import_wandb
         import_wandb()  # a missing package is one line now, not after the model is built
     if cfg.eval_only and not cfg.resume and cfg.init_from == "scratch":
         raise ConfigError("--eval-only evaluates a trained model: add --resume (out_dir/last.pt) or --init-from PATH")
@@ -155,10 +119,9 @@ def as_typed(message):
     return re.sub(rf"(?<![\w*/.-])({names})\b(?!=)", lambda m: f"--{flag(m[1])}", message)
 
 
-def parse_args(argv):
+def parse_args(argv, TrainConfig):
     """['--residual', 'delta', '--max-iters=100', '--no-compile', ...] -> (preset, overrides).
     Raises ConfigError naming an unknown option (with the closest match) or a value of the wrong type."""
-    TrainConfig, _ = knobs()
     types = {f.name: str(f.type) for f in fields(TrainConfig)}
     overrides, argv = {}, list(argv)
     while argv:
@@ -184,11 +147,12 @@ def parse_args(argv):
             if not argv:
                 raise ConfigError(f"--{flag(key)} needs a value")
             value = argv.pop(0)
-        overrides[key] = convert(key, kind, value)
+        overrides[key] = typed(key, kind, value)
     return overrides.pop("preset", None), overrides
 
 
-def convert(key, kind, value):
+def typed(key, kind, value):
+    """A command-line string as the value of field `key` of type `kind` (str(field.type)), or one ConfigError."""
     if value.lower() == "none" and "Optional" in kind:
         return None
     try:
@@ -206,40 +170,10 @@ def convert(key, kind, value):
         raise ConfigError(f"--{flag(key)} expects {expected}, got {value!r}") from None
 
 
-def options_help():
+def train_help(TrainConfig, presets):
     """Every TrainConfig field as an option with its help and the cpu preset's value (`--help`)."""
-    TrainConfig, presets = knobs()
     defaults = TrainConfig()
     lines = [f"  --{flag(f.name):<27} {f.metadata['help']} [cpu: {getattr(defaults, f.name)}]" for f in fields(TrainConfig)]
     return ("Training options: any TrainConfig field, as --field VALUE, --field=VALUE or --flag / --no-flag.\n\n"
             "\b\n" + "\n".join(lines) + f"\n\nPresets: {', '.join(presets)} (default: cpu without CUDA, "
             "shakespeare_char with it).")
-
-
-def config_from_args(argv):
-    """The TrainConfig a command line asks for: a fresh run, or with --resume the run in out_dir."""
-    preset, overrides = parse_args(argv)
-    try:
-        return resume_config(preset, **overrides) if overrides.get("resume") else make_config(preset, **overrides)
-    except ConfigError as e:
-        raise ConfigError(as_typed(str(e))) from None
-
-
-def main(argv=None):
-    """`python train.py ...`: parse options, train, and turn bad input into one line and exit 1 (130 when interrupted)."""
-    import train
-    from workbench.system import apply_process_settings
-    argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
-        print("usage: python train.py [--preset P] [--FIELD VALUE ...]   (or python cli.py train ...)\n")
-        print(options_help().replace("\b\n", ""))
-        return
-    try:
-        cfg = config_from_args(argv)
-        apply_process_settings(cfg)
-        train.train(cfg)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except DeltaGPTError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)

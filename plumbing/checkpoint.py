@@ -9,8 +9,10 @@ import torch
 
 import data
 from delta_gpt import GPT, is_routing_key
-from workbench.errors import ConfigError, TrainError
-from workbench.options import ARCH_FIELDS, ROUTE_FIELDS, gpt_config, model_config
+from errors import ConfigError, TrainError
+from plumbing.config import ARCH_FIELDS, ROUTE_FIELDS, gpt_config, model_config, with_model_defaults
+from plumbing.rundir import why_no_checkpoint
+from plumbing.system import checked_device
 
 
 def save_checkpoint(obj, path):
@@ -30,7 +32,6 @@ def save_checkpoint(obj, path):
 
 def load_checkpoint(path, map_location="cpu", mmap=False):
     """A checkpoint dict, or one clear TrainError saying what is wrong with the file."""
-    from workbench.rundir import why_no_checkpoint
     path = Path(path)
     if path.is_dir():
         raise TrainError(f"{path} is a folder, not a checkpoint file; give a file such as {path / 'last.pt'}")
@@ -50,7 +51,6 @@ def load_checkpoint(path, map_location="cpu", mmap=False):
 
 def load_model(ckpt_path, device="cpu"):
     """(model in eval mode on `device`, checkpoint dict); the device is checked before the file is read."""
-    from workbench.system import checked_device
     device = checked_device(device)
     ckpt = load_checkpoint(ckpt_path, map_location=device)
     return model_from_checkpoint(ckpt).to(device).eval(), ckpt
@@ -134,6 +134,19 @@ def restore_rng(state):
     torch.set_rng_state(state["torch"].cpu())  # RNG states must be CPU byte tensors, wherever the checkpoint was mapped
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def resume_checkpoint(cfg, master):
+    """(out_dir/last.pt, the settings a resume changes), refused when the run has already reached --max-iters."""
+    ckpt = load_checkpoint(Path(cfg.out_dir) / "last.pt", mmap=True)  # read lazily: under FSDP only rank 0 reads the weights
+    asked = asdict(with_model_defaults(cfg))  # as the run recorded its settings
+    changed = {k: (v, asked[k]) for k, v in ckpt["config"].items() if k in asked and asked[k] != v and k != "resume"}
+    if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
+        raise ConfigError(f"the run in {cfg.out_dir} has already reached --max-iters {cfg.max_iters} (it is at step "
+                          f"{ckpt['iter_num']}); raise --max-iters to train it further")
+    if master and changed:
+        print("resuming with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+    return ckpt, changed
 
 
 def resume_model(cfg, ckpt, meta):

@@ -8,7 +8,7 @@ from torch.distributed import destroy_process_group, init_process_group
 
 import data
 from delta_gpt import GPT
-from workbench.system import pick_device
+from plumbing.system import pick_device
 
 
 @contextlib.contextmanager

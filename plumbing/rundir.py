@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from workbench.errors import ConfigError, TrainError
+from errors import ConfigError, TrainError
 
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.json")  # what a run writes in its directory
 
@@ -80,21 +80,9 @@ def why_no_checkpoint(path):
 
 
 def claim_run_dir(cfg, master):
-    """(the resume checkpoint or None, the settings a resume changes); a fresh run over another is refused unless
-    --overwrite, which deletes the old run's files."""
-    from workbench.checkpoint import load_checkpoint
-    out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "last.pt"
-    if cfg.resume:
-        from workbench.options import with_model_defaults
-        ckpt = load_checkpoint(ckpt_path, mmap=True)  # read lazily: under FSDP only rank 0 reads the weights
-        asked = asdict(with_model_defaults(cfg))  # as the run recorded its settings
-        changed = {k: (v, asked[k]) for k, v in ckpt["config"].items() if k in asked and asked[k] != v and k != "resume"}
-        if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
-            raise ConfigError(f"the run in {out_dir} has already reached --max-iters {cfg.max_iters} (it is at step "
-                              f"{ckpt['iter_num']}); raise --max-iters to train it further")
-        if master and changed:
-            print("resuming with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
-        return ckpt, changed
+    """(None, {}) as checkpoint.resume_checkpoint's (checkpoint, changed settings), for a fresh run: a run
+    already in out_dir is refused unless --overwrite, which deletes the old run's files."""
+    out_dir = Path(cfg.out_dir)
     if cfg.eval_only:
         return None, {}
     existing = [f for f in RUN_FILES if (out_dir / f).exists()]
