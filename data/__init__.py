@@ -6,12 +6,13 @@
     ds = data.load("shakespeare_char", block_size=256)    # ds.train, ds.val: np.memmap of token ids
     ds.tokenizer.decode(ds.val[:100].tolist())
 
-Datasets live in data/<name>/ as train.bin, val.bin and meta.json (see data/dataset.py);
+Datasets live in data/<name>/ as train.bin, val.bin and meta.json (loaded by data/dataset.py, prepared by
+data/preparation.py);
 tokenizers are in data/tokenizer.py, batches in data/batches.py. Every bad input raises DataError with a one-line message.
 """
 from .batches import batch_starts, eval_batch, get_batch
-from .dataset import (DATASETS, DEFAULT_DATA_DIR, Dataset, Prepared, describe, load, load_or_prepare, prepare,
-                      prepare_dataset, prepared_meta, token_dtype)
+from .dataset import DATASETS, DEFAULT_DATA_DIR, Dataset, describe, load, prepared_meta, token_dtype
+from .preparation import Prepared, load_or_prepare, prepare, prepare_dataset
 from .tokenizer import CharTokenizer, DataError, GPT2Tokenizer, get_tokenizer, gpt2_encoding
 
 __all__ = ["DATASETS", "DEFAULT_DATA_DIR", "DataError", "Dataset", "Prepared", "prepare", "prepare_dataset", "describe",

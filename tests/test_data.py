@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import data
-from data import dataset as D
+from data import preparation as D
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = {
