@@ -183,20 +183,22 @@ def upcast(t):
 class Stream:
     """The residual stream of one forward pass: what sublayer k reads (u_k) and where its output v_k goes.
 
-    `read(router)` gives u_k, `write(v)` takes v_k. The four modes differ only here:
-      baseline     u_k = x_{k-1}                        (router is None)
-      additive     u_k = x_{k-1} + read(sources)        delta, delta_block
-      replacement  u_k = read(sources)                  attnres; a final router then reads all sources
+    `read(router)` gives u_k, `write(v)` takes v_k. The four modes differ only here, by two flags:
+      baseline             keeps_stream             u_k = x_{k-1}                  (router is None)
+      delta, delta_block   keeps_stream and routed  u_k = x_{k-1} + read(sources)  (additive routing)
+      attnres              routed                   u_k = read(sources)            (replacement; a final router
+                                                                                    then reads all sources)
     The sources are e and the completed blocks b_1, b_2, ... (each the sum of its sublayers' v's; per
     sublayer, N = S, each v is a block), plus the partial sum of the current block when it is routed and
     non-empty. route_sources="cumulative" swaps each source for the stream's value x at that boundary.
-    read() runs only on the plain path (--no-fast-routing); by default FastStream.read replaces it (same numbers).
+    read() runs only on the plain path (--no-fast-routing); by default FastStream.read, in the file's last
+    section, replaces it with the same numbers.
     """
 
     def __init__(self, e, config, record=None):
-        self.additive = config.residual in ("baseline", "delta", "delta_block")
+        self.keeps_stream = config.residual != "attnres"      # a running stream x: every mode but replacement
         self.routed = config.residual != "baseline"
-        self.x = e if self.additive else None                  # the running stream x_{k-1}; replacement has none
+        self.x = e if self.keeps_stream else None              # the running stream x_{k-1}; replacement has none
         self.n_sublayers = config.n_sublayers
         self.block_len = self.n_sublayers // (config.n_route_blocks or 1)  # sublayers per block
         self.route_partial = config.route_partial
@@ -221,13 +223,15 @@ class Stream:
         read, alpha = router(sources)
         if self.record is not None:
             self.record.append((sources, alpha))
-        return self.x + read if self.additive else read
+        return self.x + read if self.keeps_stream else read
 
     def write(self, v):
         self.k += 1
-        if self.additive:
+        if self.keeps_stream:
             self.x = self.x + v
-            if self.k == self.n_sublayers:  # x_S is complete: no router reads the last block
+            # after the last sublayer x_S is the output: no router is left to read the last block (attnres
+            # keeps it, for its final router), so delta and delta_block stop here, and so does the baseline
+            if self.k == self.n_sublayers:
                 return
         if not self.routed:
             return
@@ -240,8 +244,8 @@ class Stream:
         self.blocks.append(s)
 
     def output(self, final_router):
-        """x_S for the additive modes; for replacement routing the final router's read of all sources."""
-        if self.additive:
+        """x_S where the mode keeps a stream; for replacement routing the final router's read of all sources."""
+        if self.keeps_stream:
             return self.x
         return self.read(final_router)
 
@@ -290,58 +294,13 @@ class GPTConfig:
     fast_routing: bool = True # True: the fast path (the file's last section); False: Router and Stream as written. Not architecture
 
     def __post_init__(self):
-        """Check the fields and fill in each mode's defaults; a bad value is one clear ValueError."""
-        if self.residual not in RESIDUALS:
-            raise ValueError(f"residual={self.residual!r} is unknown; choose one of {', '.join(RESIDUALS)}")
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
-        if self.fast_routing not in (True, False):
-            raise ValueError(f"fast_routing={self.fast_routing!r} must be True or False")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                             f"choose n_head among {_divisors(self.n_embd)}")
-        S = 2 * self.n_layer
-        if self.residual == "baseline":
-            for name in ROUTING_FIELDS:
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} is set but residual='baseline' has no routing; "
-                                     f"leave {name} unset or choose attnres, delta or delta_block")
-            return
-        if self.route_sources is None:
-            self.route_sources = "delta"
-        if self.route_sources not in ROUTE_SOURCES:
-            raise ValueError(f"route_sources={self.route_sources!r} is unknown; choose one of {', '.join(ROUTE_SOURCES)}")
-        if self.route_weights is None:
-            self.route_weights = "dynamic"
-        if self.route_weights not in ROUTE_WEIGHTS:
-            raise ValueError(f"route_weights={self.route_weights!r} is unknown; choose one of {', '.join(ROUTE_WEIGHTS)}")
-        if self.route_heads is None:
-            self.route_heads = 1
-        H = self.route_heads
-        if isinstance(H, bool) or not isinstance(H, int) or H < 1 or self.n_embd % H != 0:
-            raise ValueError(f"route_heads={H!r} must be a whole number that divides n_embd={self.n_embd}; "
-                             f"choose one of {_divisors(self.n_embd)}")
-        N = self.n_route_blocks
-        if N is None:
-            N = S if self.residual == "delta" else 4
-        if isinstance(N, bool) or not isinstance(N, int) or N < 1 or S % N != 0:
-            default = " (the default for this mode)" if self.n_route_blocks is None else ""
-            raise ValueError(f"n_route_blocks={N!r}{default} must divide 2*n_layer={S} sublayers; "
-                             f"choose one of {_divisors(S)}")
-        if self.residual == "delta" and N != S:
-            raise ValueError(f"n_route_blocks={N} but residual='delta' routes per sublayer (n_route_blocks=2*n_layer={S}); "
-                             f"leave it unset, or use residual='delta_block' for {N} blocks")
-        self.n_route_blocks = N
-        if self.route_partial is None:
-            self.route_partial = self.residual != "delta_block"
-        if self.route_partial not in (True, False):
-            raise ValueError(f"route_partial={self.route_partial!r} must be True or False")
-        if self.residual == "attnres" and not self.route_partial:
-            raise ValueError("route_partial=False but attnres always routes the current partial block "
-                             "(Kimi's definition); leave it unset or use delta_block")
+        check_gpt_config(self)  # one clear ValueError for a bad value (the checks follow GPT)
+        if self.residual != "baseline":  # each routed mode's defaults
+            defaults = dict(n_route_blocks=2 * self.n_layer if self.residual == "delta" else 4, route_sources="delta",
+                            route_partial=self.residual != "delta_block", route_weights="dynamic", route_heads=1)
+            for name, value in defaults.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, value)
 
     @property
     def n_sublayers(self):
@@ -357,6 +316,8 @@ def sources_per_router(cfg):
     if cfg.residual == "baseline":
         return []
     S, L = cfg.n_sublayers, cfg.n_sublayers // cfg.n_route_blocks
+    # sublayer k reads e, the (k - 1) // L blocks completed before it, and the partial sum of its own block when
+    # routed and not empty: with L = 4 sublayer 6 reads e, b1 and b2's partial (v5), 3 sources
     counts = [1 + (k - 1) // L + (1 if cfg.route_partial and (k - 1) % L else 0) for k in range(1, S + 1)]
     return counts + ([1 + cfg.n_route_blocks] if cfg.residual == "attnres" else [])
 
@@ -532,15 +493,11 @@ class GPT(nn.Module):
             optim_groups.append({'params': routing, 'weight_decay': 0.0, 'lr_mult': route_lr_mult, 'name': 'routing'})
         for group in optim_groups:
             group['lr'] = learning_rate * group['lr_mult']
-        print(f"num decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
-        print(f"num non-decayed parameter tensors: {len(nodecay)}, with {sum(p.numel() for p in nodecay):,} parameters")
-        print(f"num routing parameter tensors: {len(routing)}, with {sum(p.numel() for p in routing):,} parameters")
         # Create AdamW optimizer and use the fused version if it is available
         fused_available = 'fused' in inspect.signature(torch.optim.AdamW).parameters
         use_fused = fused_available and device_type == 'cuda'
         extra_args = dict(fused=True) if use_fused else dict()
         optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
-        print(f"using fused AdamW: {use_fused}")
         return optimizer
 
     def flops_per_token(self):
@@ -616,6 +573,52 @@ class GPT(nn.Module):
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peaks
 
 
+# -----------------------------------------------------------------------------
+# the checks of GPTConfig: one clear ValueError naming the field, its value and what to choose
+
+def check_gpt_config(c):
+    if c.residual not in RESIDUALS:
+        raise ValueError(f"residual={c.residual!r} is unknown; choose one of {', '.join(RESIDUALS)}")
+    for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
+            raise ValueError(f"{name}={getattr(c, name)!r} must be a positive integer")
+    if c.fast_routing not in (True, False):
+        raise ValueError(f"fast_routing={c.fast_routing!r} must be True or False")
+    if not 0.0 <= c.dropout < 1.0:
+        raise ValueError(f"dropout={c.dropout!r} must be in [0, 1)")
+    if c.n_embd % c.n_head != 0:
+        raise ValueError(f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}; "
+                         f"choose n_head among {_divisors(c.n_embd)}")
+    if c.residual == "baseline":
+        for name in ROUTING_FIELDS:
+            if getattr(c, name) is not None:
+                raise ValueError(f"{name} is set but residual='baseline' has no routing; "
+                                 f"leave {name} unset or choose attnres, delta or delta_block")
+        return
+    if c.route_sources is not None and c.route_sources not in ROUTE_SOURCES:
+        raise ValueError(f"route_sources={c.route_sources!r} is unknown; choose one of {', '.join(ROUTE_SOURCES)}")
+    if c.route_weights is not None and c.route_weights not in ROUTE_WEIGHTS:
+        raise ValueError(f"route_weights={c.route_weights!r} is unknown; choose one of {', '.join(ROUTE_WEIGHTS)}")
+    H = 1 if c.route_heads is None else c.route_heads
+    if isinstance(H, bool) or not isinstance(H, int) or H < 1 or c.n_embd % H != 0:
+        raise ValueError(f"route_heads={H!r} must be a whole number that divides n_embd={c.n_embd}; "
+                         f"choose one of {_divisors(c.n_embd)}")
+    S = 2 * c.n_layer
+    N = c.n_route_blocks if c.n_route_blocks is not None else S if c.residual == "delta" else 4
+    if isinstance(N, bool) or not isinstance(N, int) or N < 1 or S % N != 0:
+        default = " (the default for this mode)" if c.n_route_blocks is None else ""
+        raise ValueError(f"n_route_blocks={N!r}{default} must divide 2*n_layer={S} sublayers; "
+                         f"choose one of {_divisors(S)}")
+    if c.residual == "delta" and N != S:
+        raise ValueError(f"n_route_blocks={N} but residual='delta' routes per sublayer (n_route_blocks=2*n_layer={S}); "
+                         f"leave it unset, or use residual='delta_block' for {N} blocks")
+    if c.route_partial not in (None, True, False):
+        raise ValueError(f"route_partial={c.route_partial!r} must be True or False")
+    if c.residual == "attnres" and c.route_partial is False:
+        raise ValueError("route_partial=False but attnres always routes the current partial block "
+                         "(Kimi's definition); leave it unset or use delta_block")
+
+
 def device_peak_flops(device):
     """The bf16 peak FLOP/s of a CUDA device from PEAK_FLOPS, or None when unknown (CPU, MPS, other GPUs)."""
     device = torch.device(device)
@@ -684,7 +687,7 @@ class FastStream(Stream):
             scores = self.with_scores_of(partial[0]) if partial else self.scores
             logits = scores[self.reads]                         # (n, B, T, H)
         self.reads += 1
-        base = self.x if self.additive else None
+        base = self.x if self.keeps_stream else None
         if len(sources) == 1:  # alpha = 1 whatever the logit: the read is the source itself
             alpha = torch.ones_like(logits).movedim(0, -1)  # (B, T, H, 1)
             u = sources[0] if base is None else base + sources[0]
