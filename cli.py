@@ -27,7 +27,7 @@ PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}  # tra
 
 
 @app.callback()
-def main():
+def commands():
     """delta-gpt: Delta Attention Residuals beside AttnRes and the plain residual, nanoGPT-sized."""
 
 
@@ -257,7 +257,7 @@ def plan(
     """
     from workbench import plan as P
     import train as T
-    typer.echo(P.report(T.config_from_args(ctx.args), nproc, gpu_memory, vocab_size))
+    typer.echo(P.plan_report(T.config_from_args(ctx.args), nproc, gpu_memory, vocab_size))
 
 
 if __name__ == "__main__":

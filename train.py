@@ -30,8 +30,8 @@ from data import batch_starts, eval_batch, get_batch
 import data
 from delta_gpt import GPT, GPT2_MODELS
 from errors import ConfigError, DeltaGPTError, TrainError
-from plumbing.checkpoint import (checkpoint_dict, dataset_info, load_checkpoint, model_from_init_checkpoint, restore_rng,
-                                 resume_checkpoint, resume_model, rng_state, save_checkpoint)
+from plumbing.checkpoint import (checkpoint_dict, dataset_info, load_checkpoint, model_from_gpt2, model_from_init_checkpoint,
+                                 restore_rng, resume_checkpoint, resume_model, rng_state, save_checkpoint)
 from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, ROUTE_FIELDS, as_typed, check_config, flag, model_config,
                              out_dir_of, parse_args, preset_config, train_help)
 from plumbing.distributed import full_state, load_optimizer_state, process_group, root_gathered, shard
@@ -157,6 +157,18 @@ def estimate_loss(model, ds, split, eval_iters, batch_size, ctx=nullcontext(), p
     return sum(losses) / len(losses)
 
 
+def evaluate_model(model, ds, cfg, ctx, device):
+    """Both splits' mean loss on the fixed eval batches, and routing statistics on the first val batch."""
+    out = {split: estimate_loss(model, ds, split, cfg.eval_iters, cfg.batch_size, ctx) for split in ("train", "val")}
+    if cfg.residual != "baseline":
+        X, _ = eval_batch(ds, "val", 0, cfg.batch_size, cfg.block_size, device)
+        model.eval()
+        with root_gathered(model, cfg.fsdp), ctx:
+            out["routing"] = routing_stats(model, X)
+        model.train()
+    return out
+
+
 def precision(cfg, device, master):
     """(dtype name, autocast context, gradient scaler): bf16 or fp16 autocast on CUDA, float32 on CPU/MPS unless asked."""
     dtype = cfg.dtype
@@ -184,101 +196,71 @@ def train(cfg):
     """Train as configured; returns a summary dict (rank 0). Bad input or a run that cannot go on raises a DeltaGPTError."""
     check_config(cfg)
     cfg = replace(cfg, out_dir=out_dir_of(cfg))
-    with process_group(cfg) as (rank, world_size, device):
+    out_dir = Path(cfg.out_dir)
+    check_folder(out_dir, "--out-dir")
+    # one process or torchrun's, and a lock on the run directory: a run that fails to start leaves it as found
+    with process_group(cfg) as (rank, world_size, device), RunLock(out_dir, rank == 0 and not cfg.eval_only) as lock:
         master = rank == 0  # rank 0 writes checkpoints, metrics and the log
         if cfg.gradient_accumulation_steps % world_size:
             raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple "
                               f"of the number of processes {world_size}")
         accum = cfg.gradient_accumulation_steps // world_size  # micro-steps per rank
         tokens_per_iter = accum * world_size * cfg.batch_size * cfg.block_size
-        out_dir = Path(cfg.out_dir)
-        check_folder(out_dir, "--out-dir")
+        ckpt, changed = resume_checkpoint(cfg, master) if cfg.resume else claim_run_dir(cfg, master)
+        torch.manual_seed(cfg.seed + rank)
+        dtype, ctx, scaler = precision(cfg, device, master)
+        ds = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size)
+        if cfg.resume:
+            check_same_data(out_dir, ds.meta, "prepare it again from the text the run began on, or start a "
+                                              "new run (--overwrite, or another --out-dir)")
 
-        # claim the run directory: a lock for the whole run; a failed start leaves the folder as it found it
-        lock = RunLock(out_dir, master and not cfg.eval_only)
-        with lock.held_on_error():
-            ckpt, changed = resume_checkpoint(cfg, master) if cfg.resume else claim_run_dir(cfg, master)
-            torch.manual_seed(cfg.seed + rank)
-            dtype, ctx, scaler = precision(cfg, device, master)
-            ds = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size)
-            if cfg.resume:
-                check_same_data(out_dir, ds.meta, "prepare it again from the text the run began on, or start a "
-                                                  "new run (--overwrite, or another --out-dir)")
-
-            # the model: the run's last.pt (--resume), from scratch, GPT-2's weights, or a checkpoint (--init-from)
-            model, iter_num, best_val_loss = None, 0, float("inf")
-            route = {k: getattr(cfg, k) for k in ROUTE_FIELDS + ("dropout", "fast_routing")}
-            if master or not cfg.fsdp:  # under FSDP rank 0 builds the model and the others get their shards of it
-                if ckpt is not None:
-                    model = resume_model(cfg, ckpt, ds.meta)
-                    iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-                elif cfg.init_from == "scratch":
-                    vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's, padded to a multiple of 64
-                    model = GPT(model_config(cfg, vocab_size))
-                elif cfg.init_from in GPT2_MODELS:
-                    if ds.tokenizer.name != "gpt2":
-                        raise ConfigError(f"--init-from {cfg.init_from} needs a GPT-2 BPE dataset; {cfg.dataset} is "
-                                          f"{ds.tokenizer.name}")
-                    try:
-                        model = GPT.from_pretrained(cfg.init_from, route)
-                    except ValueError as e:  # no transformers package, or no network
-                        raise ConfigError(str(e)) from None
-                    if cfg.block_size < model.config.block_size:
-                        model.crop_block_size(cfg.block_size)
-                else:
-                    model = model_from_init_checkpoint(cfg, ds.meta, route, master)
-            if cfg.fsdp:
-                model, iter_num, best_val_loss = shard(model, iter_num, best_val_loss, rank, device, dtype,
-                                                       cfg.activation_checkpointing)
-            else:
-                for block in model.transformer.h:
-                    block.recompute = cfg.activation_checkpointing  # recompute attention and MLP in backward
-                model = model.to(device)
-            cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})  # GPT-2 weights bring their shape
-
-            # the optimizer: AdamW over the model's three groups, restored on resume with this run's settings
-            optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                                   device.type, route_lr_mult=cfg.route_lr_mult)
-            elapsed = 0.0
+        # the model: the run's last.pt (--resume), from scratch, GPT-2's weights, or a checkpoint (--init-from)
+        model, iter_num, best_val_loss = None, 0, float("inf")
+        route = {k: getattr(cfg, k) for k in ROUTE_FIELDS + ("dropout", "fast_routing")}
+        if master or not cfg.fsdp:  # under FSDP rank 0 builds the model and the others get their shards of it
             if ckpt is not None:
-                load_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp, rank)
-                for group in optimizer.param_groups:  # this run's settings, not the saved ones
-                    group.update(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay if group["name"] == "decay"
-                                 else 0.0, lr_mult=cfg.route_lr_mult if group["name"] == "routing" else 1.0)
-                if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
-                    scaler.load_state_dict(ckpt["scaler"])
-                restore_rng(ckpt["rng"])
-                elapsed = ckpt.get("elapsed", 0.0)
+                model = resume_model(cfg, ckpt, ds.meta)
+                iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+            elif cfg.init_from == "scratch":
+                vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's, padded to a multiple of 64
+                model = GPT(model_config(cfg, vocab_size))
+            elif cfg.init_from in GPT2_MODELS:
+                model = model_from_gpt2(cfg, ds.tokenizer.name, route)
+            else:
+                model = model_from_init_checkpoint(cfg, ds.meta, route, master)
+        if cfg.fsdp:
+            model, iter_num, best_val_loss = shard(model, iter_num, best_val_loss, rank, device, dtype,
+                                                   cfg.activation_checkpointing)
+        else:
+            for block in model.transformer.h:
+                block.recompute = cfg.activation_checkpointing  # recompute attention and MLP in backward
+            model = model.to(device)
+        cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})  # GPT-2 weights bring their shape
 
-            # compile (default on CUDA), then DDP over several processes (FSDP's model is already sharded)
-            raw_model = model  # the plain GPT: its state_dict, evaluation and statistics
-            compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
-            if compiled:
-                model = torch.compile(model)
-            ddp = world_size > 1 and not cfg.fsdp
-            if ddp:
-                model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-            start_step = iter_num if cfg.resume else 0  # a resumed run's checkpoint step was evaluated before it was saved
-            record = RunRecord(out_dir, master and not cfg.eval_only, resume_step=start_step if cfg.resume else None)
+        # the optimizer: AdamW over the model's three groups, restored on resume with this run's settings
+        optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                               device.type, route_lr_mult=cfg.route_lr_mult)
+        elapsed = 0.0
+        if ckpt is not None:
+            load_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp, rank)
+            for group in optimizer.param_groups:  # this run's settings, not the saved ones
+                group.update(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay if group["name"] == "decay"
+                             else 0.0, lr_mult=cfg.route_lr_mult if group["name"] == "routing" else 1.0)
+            if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
+                scaler.load_state_dict(ckpt["scaler"])
+            restore_rng(ckpt["rng"])
+            elapsed = ckpt.get("elapsed", 0.0)
+
+        # compile (default on CUDA), then DDP over several processes (FSDP's model is already sharded)
+        raw_model = model  # the plain GPT: its state_dict, evaluation and statistics
+        compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
+        if compiled:
+            model = torch.compile(model)
+        ddp = world_size > 1 and not cfg.fsdp
+        if ddp:
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        start_step = iter_num if cfg.resume else 0  # a resumed run's checkpoint step was evaluated before it was saved
         t_start = time.time() - elapsed  # wall time counts on across resumes
-        if master and not cfg.eval_only:
-            record.write_config(cfg, raw_model, ds.meta, world_size, device, dtype)
-            if changed:
-                record.log(kind="resume", step=iter_num, changed={k: list(v) for k, v in changed.items()})
-            print(f"{cfg.residual}: {raw_model.get_num_params():,} parameters, {tokens_per_iter:,} tokens per step, "
-                  f"{device} {dtype}{' compiled' if compiled else ''}, run directory {out_dir}; each loss below is "
-                  f"the mean of {cfg.eval_iters} fixed batches of its split")
-
-        def evaluate():
-            """Both splits' mean loss on the fixed eval batches, and routing statistics on the first val batch."""
-            out = {split: estimate_loss(raw_model, ds, split, cfg.eval_iters, cfg.batch_size, ctx) for split in ("train", "val")}
-            if cfg.residual != "baseline":
-                X, _ = eval_batch(ds, "val", 0, cfg.batch_size, cfg.block_size, device)
-                raw_model.eval()
-                with root_gathered(raw_model, cfg.fsdp), ctx:
-                    out["routing"] = routing_stats(raw_model, X)
-                raw_model.train()
-            return out
 
         def checkpoint(path):
             """The run's state now, written atomically by rank 0 (under FSDP every rank gathers it)."""
@@ -289,109 +271,119 @@ def train(cfg):
                                                 scaler=scaler.state_dict(), rng=rng_state(),
                                                 elapsed=time.time() - t_start, commit=record.commit), path)
 
-        with lock:
-            try:
-                if cfg.eval_only:
-                    losses = evaluate()
+        if cfg.eval_only:  # evaluate the model once, write nothing
+            losses = evaluate_model(raw_model, ds, cfg, ctx, device)
+            if master:
+                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+                      f"(each the mean of {cfg.eval_iters} fixed batches)")
+            return dict(val_loss=losses["val"], train_loss=losses["train"], iter_num=iter_num)
+
+        # the loop: metrics.jsonl (and W&B), the progress bar, and SIGINT/SIGTERM turned into a checkpoint
+        with RunRecord(out_dir, master, resume_step=start_step if cfg.resume else None) as record, \
+                Progress(cfg, master, iter_num) as bar, StopFlag() as stop:
+            lock.started()  # from here the folder holds this run: a failure keeps its files
+            if master:
+                record.write_config(cfg, raw_model, ds.meta, world_size, device, dtype)
+                if changed:
+                    record.log(kind="resume", step=iter_num, changed={k: list(v) for k, v in changed.items()})
+                print(f"{cfg.residual}: {raw_model.get_num_params():,} parameters, {tokens_per_iter:,} tokens per step, "
+                      f"{device} {dtype}{' compiled' if compiled else ''}, run directory {out_dir}; each loss below is "
+                      f"the mean of {cfg.eval_iters} fixed batches of its split")
+            saved_step = iter_num if cfg.resume else None  # the step last.pt holds
+            loss, val_loss, tok_s = float("nan"), None, None
+            while True:  # max_iters + 1 passes: the last one only evaluates and checkpoints the final model
+                final = iter_num >= cfg.max_iters
+
+                # evaluate every eval_interval steps and at the end; best.pt keeps the best so far
+                evaluated = cfg.resume and iter_num <= start_step  # last.pt's step was evaluated before it was saved
+                if (iter_num % cfg.eval_interval == 0 or final) and not evaluated:
+                    losses = evaluate_model(raw_model, ds, cfg, ctx, device)
+                    val_loss, sharpness = losses["val"], losses.get("routing", {}).get("mean_max_weight", math.nan)
+                    record.log(kind="eval", step=iter_num, train_loss=losses["train"], val_loss=val_loss,
+                               elapsed=time.time() - t_start, routing=losses.get("routing"))
+                    bar.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}"
+                              + (f", routing max weight {sharpness:.3f}" if math.isfinite(sharpness) else ""))
+                    if val_loss < best_val_loss:  # (NaN sharpness: every router reads one source, N = 1)
+                        best_val_loss = val_loss
+                        if iter_num > 0:
+                            checkpoint(out_dir / "best.pt")
+                # last.pt every ckpt_interval steps and at the end (always one, even for a short run)
+                due = (iter_num % cfg.ckpt_interval == 0 or final) and iter_num > start_step
+                if due or (final and saved_step is None):
+                    checkpoint(out_dir / "last.pt")
+                    saved_step = iter_num
+                if final:
+                    break
+
+                # determine and set the learning rate for this iteration
+                lr = get_lr(iter_num, cfg)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group["lr_mult"]
+                t0 = time.time()
+                # ---------------- TRAINING STEP BEGIN ----------------
+                # batches and dropout come from (seed, step): a resumed run, and any world size, redraw the same
+                torch.manual_seed(derive_seed(cfg.seed, 2, iter_num, rank))
+                starts = batch_starts(ds.train, cfg.block_size, cfg.batch_size * accum * world_size, (cfg.seed, 0, iter_num))
+                loss_sum = torch.zeros((), device=device)
+                # forward backward update, with optional gradient accumulation to simulate larger batch size
+                for micro in range(accum):
+                    part = (rank * accum + micro) * cfg.batch_size  # rank r's micro-step m: slice r * accum + m
+                    X, Y = get_batch(ds.train, cfg.block_size, starts[part:part + cfg.batch_size], device)
+                    last = micro == accum - 1
+                    if ddp:  # sync gradients on the last micro-step only (nanoGPT's way, not no_sync())
+                        model.require_backward_grad_sync = last
+                    if cfg.fsdp:
+                        raw_model.set_requires_gradient_sync(last)
+                    with ctx:
+                        _, micro_loss = model(X, Y)
+                    loss_sum += micro_loss.detach()
+                    # backward pass, with gradient scaling if training in fp16
+                    scaler.scale(micro_loss / accum).backward()
+                # one all-reduce tells every rank the step's loss and whether any rank was signalled to stop
+                stats = torch.stack([loss_sum / accum, torch.tensor(float(stop.signal is not None), device=device)])
+                if world_size > 1:
+                    torch.distributed.all_reduce(stats)
+                    stats[0] /= world_size
+                loss, stop_now = stats[0].item(), stats[1].item() > 0
+                if stop_now:  # a signal: this step's gradients are dropped (resuming redoes it) and the run stops
+                    checkpoint(out_dir / "last.pt")
+                    bar.close()
+                    message = f"stopped by signal at step {iter_num}; checkpoint {out_dir / 'last.pt'} written " \
+                              f"(continue with --resume)"
                     if master:
-                        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
-                              f"(each the mean of {cfg.eval_iters} fixed batches)")
-                    return dict(val_loss=losses["val"], train_loss=losses["train"], iter_num=iter_num)
+                        print(message)
+                    raise KeyboardInterrupt(message)
+                kept = f"{out_dir / 'last.pt'} still holds step {saved_step}" if saved_step is not None else \
+                    "no checkpoint was written yet"
+                if not math.isfinite(loss):
+                    raise TrainError(f"loss is {loss} at step {iter_num}; stopped without applying it, {kept} (lower "
+                                     f"--learning-rate or check the data)")
+                # clip the gradient
+                scaler.unscale_(optimizer)
+                norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or float("inf"))
+                grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # FSDP: sharded
+                if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps
+                    raise TrainError(f"gradient norm is {grad_norm} at step {iter_num} (loss {loss:.4f}); stopped "
+                                     f"without applying it, {kept} (lower --learning-rate or check the data)")
+                # step the optimizer and scaler if training in fp16
+                scaler.step(optimizer)
+                scaler.update()
+                # flush the gradients as soon as we can, no need for this memory anymore
+                optimizer.zero_grad(set_to_none=True)
+                # ---------------- TRAINING STEP END ----------------
 
-                # the loop
-                saved_step = iter_num if cfg.resume else None  # the step last.pt holds
-                bar = Progress(cfg, master, iter_num, record)
-                loss, val_loss, tok_s = float("nan"), None, None
-                with StopFlag() as stop:
-                    while True:  # max_iters + 1 passes: the last one only evaluates and checkpoints the final model
-                        final = iter_num >= cfg.max_iters
-
-                        # evaluate every eval_interval steps and at the end; best.pt keeps the best so far
-                        if (iter_num > start_step or not cfg.resume) and (iter_num % cfg.eval_interval == 0 or final):
-                            losses = evaluate()
-                            val_loss = losses["val"]
-                            record.log(kind="eval", step=iter_num, train_loss=losses["train"], val_loss=val_loss,
-                                       elapsed=time.time() - t_start, routing=losses.get("routing"))
-                            bar.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}"
-                                      + (f", routing max weight {losses['routing']['mean_max_weight']:.3f}"
-                                         if math.isfinite(losses.get("routing", {}).get("mean_max_weight", math.nan))
-                                         else ""))  # NaN: every router has one source (delta_block, N = 1)
-                            if val_loss < best_val_loss:
-                                best_val_loss = val_loss
-                                if iter_num > 0:
-                                    checkpoint(out_dir / "best.pt")
-                        # last.pt every ckpt_interval steps and at the end (always one, even for a short run)
-                        due = iter_num % cfg.ckpt_interval == 0 or final
-                        if due and iter_num > start_step or final and saved_step is None:
-                            checkpoint(out_dir / "last.pt")
-                            saved_step = iter_num
-                        if final:
-                            break
-
-                        lr = get_lr(iter_num, cfg)
-                        for group in optimizer.param_groups:
-                            group["lr"] = lr * group["lr_mult"]
-                        t0 = time.time()
-                        # ---------------- TRAINING STEP BEGIN ----------------
-                        # batches and dropout come from (seed, step): a resumed run, and any world size, redraw the same
-                        torch.manual_seed(derive_seed(cfg.seed, 2, iter_num, rank))
-                        starts = batch_starts(ds.train, cfg.block_size, cfg.batch_size * accum * world_size,
-                                              (cfg.seed, 0, iter_num))
-                        loss_sum = torch.zeros((), device=device)
-                        for micro in range(accum):
-                            part = (rank * accum + micro) * cfg.batch_size  # rank r's micro-step m: slice r * accum + m
-                            X, Y = get_batch(ds.train, cfg.block_size, starts[part:part + cfg.batch_size], device)
-                            last = micro == accum - 1
-                            if ddp:  # sync gradients on the last micro-step only (nanoGPT's way, not no_sync())
-                                model.require_backward_grad_sync = last
-                            if cfg.fsdp:
-                                raw_model.set_requires_gradient_sync(last)
-                            with ctx:
-                                _, micro_loss = model(X, Y)
-                            loss_sum += micro_loss.detach()
-                            scaler.scale(micro_loss / accum).backward()
-                        # one all-reduce tells every rank the step's loss and whether any rank was signalled to stop
-                        stats = torch.stack([loss_sum / accum, torch.tensor(float(stop.signal is not None), device=device)])
-                        if world_size > 1:
-                            torch.distributed.all_reduce(stats)
-                            stats[0] /= world_size
-                        loss, stop_now = stats[0].item(), stats[1].item() > 0
-                        if not stop_now:
-                            kept = (f"{out_dir / 'last.pt'} still holds step {saved_step}" if saved_step is not None
-                                    else "no checkpoint was written yet")
-                            if not math.isfinite(loss):
-                                raise TrainError(f"loss is {loss} at step {iter_num}; stopped without applying it, "
-                                                 f"{kept} (lower --learning-rate or check the data)")
-                            scaler.unscale_(optimizer)
-                            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or float("inf"))
-                            grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # FSDP: sharded
-                            if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps
-                                raise TrainError(f"gradient norm is {grad_norm} at step {iter_num} (loss {loss:.4f}); "
-                                                 f"stopped without applying it, {kept} (lower --learning-rate or check "
-                                                 f"the data)")
-                            scaler.step(optimizer)
-                            scaler.update()
-                        optimizer.zero_grad(set_to_none=True)
-                        # ---------------- TRAINING STEP END ----------------
-                        if stop_now:  # a signal: this step's gradients are dropped; resuming redoes it
-                            checkpoint(out_dir / "last.pt")
-                            bar.close()
-                            message = (f"stopped by signal at step {iter_num}; checkpoint {out_dir / 'last.pt'} "
-                                       f"written (continue with --resume)")
-                            if master:
-                                print(message)
-                            raise KeyboardInterrupt(message)
-                        iter_num += 1
-                        dt = time.time() - t0
-                        tok_s = tokens_per_iter / dt
-                        mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, device) if master else None
-                        bar.step(iter_num, loss, lr, tok_s, mfu, time.time() - t_start)
-                bar.close()
-                return dict(val_loss=val_loss, best_val_loss=best_val_loss, train_loss=loss, iter_num=iter_num,
-                            elapsed=time.time() - t_start, tokens_per_s=tok_s, out_dir=cfg.out_dir,
-                            params=raw_model.get_num_params())
-            finally:
-                record.finish()
+                # timing and logging
+                iter_num += 1
+                dt = time.time() - t0
+                tok_s = tokens_per_iter / dt
+                mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, device) if master else None
+                if iter_num % cfg.log_interval == 0:
+                    record.log(kind="train", step=iter_num, train_loss=loss, lr=lr, tokens_per_s=tok_s,
+                               elapsed=time.time() - t_start, mfu=mfu)
+                bar.step(iter_num, loss, lr, tok_s, mfu)
+        return dict(val_loss=val_loss, best_val_loss=best_val_loss, train_loss=loss, iter_num=iter_num,
+                    elapsed=time.time() - t_start, tokens_per_s=tok_s, out_dir=cfg.out_dir,
+                    params=raw_model.get_num_params())
 
 
 # -----------------------------------------------------------------------------

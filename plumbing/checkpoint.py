@@ -159,6 +159,20 @@ def resume_model(cfg, ckpt, meta):
     return model_from_checkpoint(ckpt, dropout=cfg.dropout, fast_routing=cfg.fast_routing)
 
 
+def model_from_gpt2(cfg, tokenizer, route):
+    """--init-from gpt2 (-medium, -large, -xl): OpenAI's weights (through transformers), this run's routing at zero
+    init, cropped to --block-size; the dataset must be GPT-2 BPE."""
+    if tokenizer != "gpt2":
+        raise ConfigError(f"--init-from {cfg.init_from} needs a GPT-2 BPE dataset; {cfg.dataset} is {tokenizer}")
+    try:
+        model = GPT.from_pretrained(cfg.init_from, route)
+    except ValueError as e:  # no transformers package, or no network
+        raise ConfigError(str(e)) from None
+    if cfg.block_size < model.config.block_size:
+        model.crop_block_size(cfg.block_size)
+    return model
+
+
 def model_from_init_checkpoint(cfg, meta, route, master):
     """--init-from PATH: the checkpoint's weights with this run's routing (kept only if it routes the same way)."""
     src = load_checkpoint(cfg.init_from)

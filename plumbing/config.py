@@ -20,6 +20,7 @@ ROUTE_FIELDS = ("residual", *ROUTING_FIELDS)  # --init-from may change these
 ARCH_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "fast_routing"))  # fixed once trained
 BOOKKEEPING_FIELDS = ("out_dir", "resume", "overwrite", "progress", "eval_only", "threads", "keep_freed_memory",
                       "log_interval", "ckpt_interval", "wandb_project", "wandb_run_name")  # change no number of a run
+BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}  # a flag's value in words
 PROCESS_FIELDS = ("device", "threads", "keep_freed_memory")  # what system.apply_process_settings reads
 
 
@@ -134,7 +135,7 @@ def parse_args(argv, TrainConfig):
         key = name[3:] if negated else name
         kind = types.get(key)
         if kind is not None and "bool" in kind and not value:  # --flag / --no-flag, or --flag true
-            if not negated and argv and argv[0].lower() in ("true", "false", "1", "0", "yes", "no"):
+            if not negated and argv and argv[0].lower() in BOOL_WORDS:
                 value = argv.pop(0)
             else:
                 overrides[key] = not negated
@@ -147,27 +148,31 @@ def parse_args(argv, TrainConfig):
             if not argv:
                 raise ConfigError(f"--{flag(key)} needs a value")
             value = argv.pop(0)
-        overrides[key] = typed(key, kind, value)
+        try:
+            overrides[key] = typed(kind, value, text=True)
+        except ValueError as expected:
+            raise ConfigError(f"--{flag(key)} expects {expected}, got {value!r}") from None
     return overrides.pop("preset", None), overrides
 
 
-def typed(key, kind, value):
-    """A command-line string as the value of field `key` of type `kind` (str(field.type)), or one ConfigError."""
-    if value.lower() == "none" and "Optional" in kind:
+def typed(kind, value, text):
+    """The value of an option of type `kind` (str(field.type)), from command-line text (text=True: parsed, "none"
+    is None for an Optional option) or from a study file (checked as TOML typed it; an int is taken for a float).
+    A value that does not fit raises ValueError naming what the option expects: "an integer", ..."""
+    base = next(name for name in ("bool", "int", "float", "str") if name in kind)
+    expected = dict(bool="true or false", int="an integer", float="a number", str="a string")[base]
+    if "Optional" in kind and (value is None or text and value.lower() == "none"):
         return None
-    try:
-        if "bool" in kind:
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError
-            return value.lower() in ("true", "1", "yes")
-        if "int" in kind:
-            return int(value)
-        if "float" in kind:
-            return float(value)
-        return value
-    except ValueError:
-        expected = "true or false" if "bool" in kind else "an integer" if "int" in kind else "a number"
-        raise ConfigError(f"--{flag(key)} expects {expected}, got {value!r}") from None
+    if text and base != "str":
+        try:
+            return BOOL_WORDS[value.lower()] if base == "bool" else int(value) if base == "int" else float(value)
+        except (KeyError, ValueError):
+            raise ValueError(expected) from None
+    fits = dict(bool=isinstance(value, bool), int=type(value) is int, float=type(value) in (int, float),
+                str=isinstance(value, str))[base]
+    if not fits:
+        raise ValueError(expected)
+    return float(value) if base == "float" else value
 
 
 def train_help(TrainConfig, presets):

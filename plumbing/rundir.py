@@ -102,10 +102,10 @@ def claim_run_dir(cfg, master):
 
 class RunLock:
     """An OS lock on out_dir/run.lock for the whole run, so two trainings never write one run directory; the
-    kernel drops it however the process ends. A run that fails to start (held_on_error) leaves the folder as found."""
+    kernel drops it however the process ends. A run that fails before started() leaves the folder as it found it."""
 
     def __init__(self, out_dir, active):
-        self.path, self.file, self.made, self.before = Path(out_dir) / "run.lock", None, [], None
+        self.path, self.file, self.made, self.before, self.setup_done = Path(out_dir) / "run.lock", None, [], None, False
         if not active:
             return
         try:
@@ -133,24 +133,24 @@ class RunLock:
         self.file.write(f"{os.getpid()}\n")
         self.file.flush()
 
-    @contextlib.contextmanager
-    def held_on_error(self):
-        """On an error: release the lock, put back the lock file's old content or remove it, and the folders it made."""
-        try:
-            yield
-        except BaseException:
-            if self.file is not None:
-                if self.before is not None:
-                    self.file.seek(0)
-                    self.file.truncate()
-                    self.file.write(self.before)
-                else:
-                    self.path.unlink(missing_ok=True)
-                self.release()
-                for folder in self.made:
-                    with contextlib.suppress(OSError):  # only while empty
-                        folder.rmdir()
-            raise
+    def started(self):
+        """The run has begun: from here a failure leaves its files (and the lock file) in place."""
+        self.setup_done = True
+
+    def undo(self):
+        """A run that failed to start: put back the lock file's old content or remove it, and the folders it made."""
+        if self.file is None:
+            return
+        if self.before is not None:
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write(self.before)
+        else:
+            self.path.unlink(missing_ok=True)
+        self.release()
+        for folder in self.made:
+            with contextlib.suppress(OSError):  # only while empty
+                folder.rmdir()
 
     def release(self):
         if self.file is not None:
@@ -160,7 +160,9 @@ class RunLock:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None and not self.setup_done:
+            self.undo()
         self.release()
 
 
@@ -235,24 +237,27 @@ class RunRecord:
             if self.wandb is not None and (numbers := wandb_numbers(row)):
                 self.wandb.log(numbers, step=row["step"])
 
-    def finish(self):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
 
 
 class Progress:
-    """A tqdm bar on a terminal, a plain line every log_interval steps without one; writes metrics.jsonl's train rows."""
+    """A tqdm bar on a terminal, a plain line every log_interval steps without one."""
 
-    def __init__(self, cfg, master, start_step, record):
-        self.cfg, self.master, self.record = cfg, master, record
+    def __init__(self, cfg, master, start_step):
+        self.cfg, self.master = cfg, master
         show = master and cfg.progress
         self.terminal = show and sys.stderr.isatty()
         self.lines = show and not self.terminal
         self.bar = tqdm(total=cfg.max_iters, initial=start_step, disable=not self.terminal, dynamic_ncols=True,
                         desc=cfg.residual)
 
-    def step(self, step, loss, lr, tok_s, mfu, elapsed):
+    def step(self, step, loss, lr, tok_s, mfu):
         if not self.master:
             return
         postfix = dict(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
@@ -260,10 +265,8 @@ class Progress:
             postfix["mfu"] = f"{mfu * 100:.1f}%"
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
-        if step % self.cfg.log_interval == 0:
-            self.record.log(kind="train", step=step, train_loss=loss, lr=lr, tokens_per_s=tok_s, elapsed=elapsed, mfu=mfu)
-            if self.lines:
-                print(f"step {step}/{self.cfg.max_iters}: " + ", ".join(f"{k} {v}" for k, v in postfix.items()), flush=True)
+        if step % self.cfg.log_interval == 0 and self.lines:
+            print(f"step {step}/{self.cfg.max_iters}: " + ", ".join(f"{k} {v}" for k, v in postfix.items()), flush=True)
 
     def write(self, line):
         if self.master:
@@ -271,6 +274,12 @@ class Progress:
 
     def close(self):
         self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def import_wandb():

@@ -12,8 +12,14 @@ check_packages(("pytest", "torch", "numpy", "tqdm", "typer", "tiktoken"))  # one
 
 import pytest  # noqa: E402
 
+from typer.testing import CliRunner  # noqa: E402
+
+import cli  # noqa: E402
 import data  # noqa: E402
-from plumbing import system  # noqa: E402
+import train as T  # noqa: E402
+from plumbing import rundir as RD, system  # noqa: E402
+
+runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
@@ -33,3 +39,48 @@ def tiny_data(tmp_path_factory):
     src.write_text(text)
     data.prepare("text", input=src, tokenizer="char", out_name="tiny", data_dir=d, progress=False)
     return d
+
+
+# ---------------------------------------------------------------- helpers the test files share
+
+def run(*args):
+    result = runner.invoke(cli.app, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    return result
+
+
+def ok(*args):
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def refused(message, *args):
+    """The command exits 1 with exactly one line on stderr containing `message`, and no traceback."""
+    result = run(*args)
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def cfg_for(tiny_data, out_dir, **kw):
+    base = dict(dataset="tiny", data_dir=str(tiny_data), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32,
+                block_size=16, batch_size=4, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
+                eval_iters=2, log_interval=1, ckpt_interval=4, progress=False)
+    return T.make_config("cpu", **{**base, **kw})
+
+
+def cli_args(tiny_data, out_dir, **kw):
+    """The same settings as cfg_for, as command-line options."""
+    base = dict(dataset="tiny", data_dir=str(tiny_data), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32,
+                block_size=16, batch_size=4, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
+                eval_iters=2, log_interval=1, ckpt_interval=4)
+    args = ["--no-progress"]
+    for k, v in {**base, **kw}.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def train_losses(out_dir):
+    return [(r["step"], r["train_loss"]) for r in RD.read_metrics(out_dir) if r["kind"] == "train"]

@@ -7,39 +7,15 @@ import sys
 import matplotlib.image
 import pytest
 import torch
-from typer.testing import CliRunner
 
-import cli
 import data
-from conftest import ROOT
+from conftest import ROOT, ok, refused, run
 from plumbing import checkpoint as CK, rundir as RD
 from workbench import report as R
 from errors import ConfigError
 
-runner = CliRunner()
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
         "--eval-iters", "2", "--warmup-iters", "2", "--no-progress"]
-
-
-def run(*args):
-    result = runner.invoke(cli.app, [str(a) for a in args])
-    assert "Traceback" not in result.output
-    return result
-
-
-def ok(*args):
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result.stdout
-
-
-def refused(message, *args):
-    """The command exits 1 with exactly one line on stderr containing `message`, and no traceback."""
-    result = run(*args)
-    assert result.exit_code == 1, result.output
-    assert isinstance(result.exception, SystemExit)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
 
 
 @pytest.fixture(scope="session")

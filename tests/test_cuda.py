@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import train
 from delta_gpt import GPT, GPTConfig, RESIDUALS
-from plumbing import checkpoint as CK, config as O
+from plumbing import checkpoint as CK
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

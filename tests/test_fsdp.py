@@ -9,9 +9,8 @@ import torch
 
 import sample as S
 import train as T
-from conftest import ROOT
-from test_train import cfg_for, cli_args, train_losses
-from plumbing import checkpoint as CK, config as O
+from conftest import ROOT, cfg_for, cli_args, train_losses
+from plumbing import checkpoint as CK
 from errors import ConfigError
 
 STEPS = dict(max_iters=6, lr_decay_iters=6, eval_interval=3, ckpt_interval=3, gradient_accumulation_steps=2)

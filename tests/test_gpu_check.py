@@ -11,8 +11,7 @@ import torch
 from workbench import bench
 import data
 from workbench import gpu_check as G
-from conftest import ROOT
-from test_cli import refused
+from conftest import ROOT, refused
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
@@ -27,7 +26,7 @@ def test_gpu_check_without_cuda_says_so_in_one_line():
 
 
 def test_train_args_reach_every_training_run():
-    args = G.parse_args(["--train-args=--batch-size 32", "--steps", "10"])
+    args = G.gpu_check_args(["--train-args=--batch-size 32", "--steps", "10"])
     cmd = G.train_command("delta", args.steps, "runs/x", args.train_args.split())
     assert cmd[-2:] == ["--batch-size", "32"] and cmd[cmd.index("--max-iters") + 1] == 10
 
@@ -92,7 +91,7 @@ def test_table_and_targets_on_made_up_rows(tmp_path):
                   + G.bench_rows(tmp_path / "bench.json", "timed out after 150 s", 150.0)
                   + [dict(part="train 500 steps", mode=m, tok_s=t, mfu=None, val_loss=v, result="ok", seconds=30.0)
                      for m, t, v in (("baseline", 400e3, 1.61), ("delta", 380e3, 1.58))])
-    lines = G.table(table_rows).splitlines()
+    lines = G.check_table(table_rows).splitlines()
     assert lines[0].startswith("| part | mode | tokens/s | x | MFU | peak GiB | x | val loss | result | s |")
     assert "| CUDA tests | - | - | - | - | - | - | - | 20 passed | 95 |" in lines
     assert "| bench eager | delta | - | - | - | - | - | - | out of memory | - |" in lines
@@ -163,7 +162,7 @@ def test_bench_cuda_options_refused_without_cuda():
 
 def test_bench_cuda_option_checks(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    check = lambda *argv: bench.check_args(bench.parse_args(["--device", "cuda", *argv]))
+    check = lambda *argv: bench.check_args(bench.bench_args(["--device", "cuda", *argv]))
     check()
     check("--variants", "compiled", "--batch-size", "32")
     (tmp_path / "rows.json").write_text("mine")

@@ -9,7 +9,7 @@ import train as T
 from workbench import bench
 from workbench import plan as P
 from delta_gpt import GPT
-from test_cli import ok, refused
+from conftest import ok, refused
 from plumbing import config as O
 
 VOCAB = 65
@@ -82,12 +82,12 @@ def test_advice_names_the_largest_batch_that_fits():
     cfg = small(batch_size=64, gradient_accumulation_steps=4, block_size=64)
     step = lambda b: sum(P.memory(cfg, VOCAB, 1, b).values())
     gpu = (step(20) + step(21)) / 2 / P.GIB / P.USABLE  # batch 20 fits, 21 does not
-    text = P.report(cfg, 1, gpu, VOCAB)
+    text = P.plan_report(cfg, 1, gpu, VOCAB)
     assert "does not fit" in text
     batch, accum = map(int, re.search(r"--batch-size (\d+) --gradient-accumulation-steps (\d+)", text).groups())
     assert batch * accum == 64 * 4 and batch <= 20 and 256 % batch == 0 and batch == 16  # the same sequences per step
     assert P.largest_batch(cfg, VOCAB, 1, gpu * P.USABLE * P.GIB) == 20
-    assert "fits: " in P.report(cfg, 1, step(64) / P.GIB / P.USABLE * 1.01, VOCAB)
+    assert "fits: " in P.plan_report(cfg, 1, step(64) / P.GIB / P.USABLE * 1.01, VOCAB)
 
 
 def test_cli_plan_prints_the_table():

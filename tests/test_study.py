@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import train as T
-from test_cli import ok, refused, run
+from conftest import ok, refused, run
 from plumbing import checkpoint as CK, rundir as RD
 from workbench import report as R, study as S
 

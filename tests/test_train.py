@@ -14,36 +14,14 @@ import torch
 
 import data
 import train as T
-from conftest import ROOT
+from conftest import ROOT, cfg_for, cli_args, train_losses
 from delta_gpt import GPT, GPTConfig, RESIDUALS
 from plumbing import checkpoint as CK, config as O, rundir as RD, system as SY
 from errors import ConfigError, DeltaGPTError, TrainError
 
 
-def cfg_for(tiny_data, out_dir, **kw):
-    base = dict(dataset="tiny", data_dir=str(tiny_data), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32,
-                block_size=16, batch_size=4, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
-                eval_iters=2, log_interval=1, ckpt_interval=4, progress=False)
-    return T.make_config("cpu", **{**base, **kw})
-
-
-def cli_args(tiny_data, out_dir, **kw):
-    """The same settings as cfg_for, as command-line options."""
-    base = dict(dataset="tiny", data_dir=str(tiny_data), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32,
-                block_size=16, batch_size=4, max_iters=8, lr_decay_iters=8, warmup_iters=2, eval_interval=4,
-                eval_iters=2, log_interval=1, ckpt_interval=4)
-    args = ["--no-progress"]
-    for k, v in {**base, **kw}.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    return args
-
-
 def params(path):
     return CK.load_checkpoint(path)["model"]
-
-
-def train_losses(out_dir):
-    return [(r["step"], r["train_loss"]) for r in RD.read_metrics(out_dir) if r["kind"] == "train"]
 
 
 # ---------------------------------------------------------------- equivalences

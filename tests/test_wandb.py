@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import train as T
-from test_cli import refused
-from test_train import cfg_for, cli_args, train_losses
+from conftest import refused
+from conftest import cfg_for, cli_args, train_losses
 from plumbing import rundir as RD
 
 BLOCK = 32768  # the .wandb log's block size

@@ -115,7 +115,7 @@ def bench(config, batch, modes=RESIDUALS, iters=None, rounds=15, memory_layers=(
     return list(rows.values())
 
 
-def table(rows, memory_layers=()):
+def speed_table(rows, memory_layers=()):
     """The rows as a Markdown table."""
     head = ["mode", "params", "x", "saved MB", "x", "tokens/s", "x"]
     for n_layer in memory_layers:
@@ -209,18 +209,18 @@ def cuda_table(rows, variants=VARIANTS):
         head += [f"{v} tokens/s", "x", "MFU", "peak GiB", "x"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["mode"], f"{r['params']:,}", fmt(r.get("params_x"), ".4f")]
+        cells = [r["mode"], f"{r['params']:,}", shown(r.get("params_x"), ".4f")]
         for v in variants:
             missing = r.get(f"{v}_error", "-")
             peak = r.get(f"{v}_peak")
-            cells += [fmt(r.get(f"{v}_tok_s"), ",.0f", missing), fmt(r.get(f"{v}_tok_s_x"), ".3f"),
-                      fmt(r.get(f"{v}_mfu"), ".1%"), fmt(peak / 2**30 if peak is not None else None, ".2f"),
-                      fmt(r.get(f"{v}_peak_x"), ".3f")]
+            cells += [shown(r.get(f"{v}_tok_s"), ",.0f", missing), shown(r.get(f"{v}_tok_s_x"), ".3f"),
+                      shown(r.get(f"{v}_mfu"), ".1%"), shown(peak / 2**30 if peak is not None else None, ".2f"),
+                      shown(r.get(f"{v}_peak_x"), ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def fmt(value, spec, missing="-"):
+def shown(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
 
@@ -319,7 +319,7 @@ def parser(prog=None):
     return ap
 
 
-def parse_args(argv=None, prog=None):
+def bench_args(argv=None, prog=None):
     return parser(prog).parse_args(argv)
 
 
@@ -336,7 +336,7 @@ def cpu_config(name, args):
 
 def main(argv=None, prog=None):
     """Parse and check the options (BenchError for a bad one), set the process up and run the benchmark."""
-    args = parse_args(argv, prog)
+    args = bench_args(argv, prog)
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -354,7 +354,7 @@ def main(argv=None, prog=None):
         print(f"\n{name}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, "
               f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, malloc {malloc}, best of {rounds} rounds")
         rows = bench(config, batch, modes, iters=args.iters, rounds=rounds, memory_layers=memory_layers)
-        print(table(rows, memory_layers))
+        print(speed_table(rows, memory_layers))
 
 
 if __name__ == "__main__":

@@ -205,7 +205,7 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
     S.claim_folder(study, out, overwrite, write=False)
     unique = list({r.cfg.out_dir: r for r in runs}.values())  # a run the sweep does not apply to, once
     states = [run_state(r.cfg, overwrite) for r in unique]  # refuses runs with other settings before training
-    echo(plan(study, unique, states, jobs))
+    echo(study_plan(study, unique, states, jobs))
     if dry_run:
         return None
     S.claim_folder(study, out, overwrite)
@@ -237,7 +237,7 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
     return table + (f"\n\n{best}" if best else "")
 
 
-def plan(study, runs, states, jobs=1):
+def study_plan(study, runs, states, jobs=1):
     """One line: how many runs the study has, how many are finished, and an estimate of the time left (of
     `jobs` runs at a time)."""
     done = sum(s == "finished" for s, _ in states)

@@ -192,7 +192,7 @@ def cell(value, spec):
     return "-" if value is None else format(value, spec)
 
 
-def add_ratios(rows, keys=("tok_s", "peak")):
+def add_part_ratios(rows, keys=("tok_s", "peak")):
     """r[key + '_x'] against the same part's baseline row, where both are known."""
     for r in rows:
         base = next((b for b in rows if b["part"] == r["part"] and b["mode"] == "baseline"), None)
@@ -202,10 +202,10 @@ def add_ratios(rows, keys=("tok_s", "peak")):
     return rows
 
 
-def table(rows):
+def check_table(rows):
     """rows: dicts with part, mode and any of tok_s, mfu, peak (bytes), val_loss, result, seconds -> Markdown."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in add_ratios([dict(r) for r in rows]):
+    for r in add_part_ratios([dict(r) for r in rows]):
         peak = r.get("peak")
         cells = [r["part"], r.get("mode") or "-", cell(r.get("tok_s"), ",.0f"), cell(r.get("tok_s_x"), ".3f"),
                  cell(r.get("mfu"), ".1%"), cell(peak / 2**30 if peak is not None else None, ".2f"),
@@ -217,7 +217,7 @@ def table(rows):
 
 def targets(rows):
     """The GPU targets against the compiled benchmark rows: one line each, met, missed or not measured."""
-    bench = {r["mode"]: r for r in add_ratios([dict(r) for r in rows]) if r["part"] == "bench compiled"}
+    bench = {r["mode"]: r for r in add_part_ratios([dict(r) for r in rows]) if r["part"] == "bench compiled"}
     got = lambda mode, key: (bench.get(mode) or {}).get(key)
     checks = [(f"baseline MFU >= {TARGETS['mfu']:.0%}", got("baseline", "mfu"), TARGETS["mfu"], ".1%", 1)]
     for mode, low in TARGETS["tok_s_x"].items():
@@ -356,7 +356,7 @@ def header():
             f"torch {torch.__version__} (CUDA {torch.version.cuda}), commit {commit or 'unknown'}")
 
 
-def parse_args(argv=None):
+def gpu_check_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m workbench.gpu_check", description=__doc__.split("\n\n")[0].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "gpu-check", help="folder for the table and the logs")
@@ -379,7 +379,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = gpu_check_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget
     lines = [] if args.force else [line for line in (foreign(args.out, "--out"), foreign(args.runs, "--runs")) if line]
@@ -405,7 +405,7 @@ def main(argv=None):
             rows += [got] if isinstance(got, dict) else (got or [])
             elapsed[name] = time.time() - t
     ok = all(r.get("ok") for r in rows) and bool(rows)
-    text = "\n".join([f"gpu-check: {head}", "", table(rows), "",
+    text = "\n".join([f"gpu-check: {head}", "", check_table(rows), "",
                       "Targets (compiled benchmark rows):", *targets(rows), "",
                       "Elapsed: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
                       + f"; total {time.time() - t0:.0f} s of {args.budget:.0f}",

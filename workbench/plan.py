@@ -34,14 +34,14 @@ def vocab_size(cfg):
     return 50304 if meta is None or meta.get("tokenizer") == "gpt2" else int(meta["vocab_size"])
 
 
-def precision(cfg):
+def planned_precision(cfg):
     """(compute dtype, whether the weights themselves are cast to it): FSDP computes with bf16 weights,
     DDP with autocast over fp32 ones. 'auto' plans for CUDA: bfloat16."""
     dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
     return dtype, cfg.fsdp and dtype != "float32"
 
 
-def model_config(cfg, vocab, **change):
+def measured_config(cfg, vocab, **change):
     """The GPTConfig of cfg, with `change` (n_layer, n_head, n_embd, block_size) for a measurement."""
     config = O.model_config(cfg, vocab)
     n_route_blocks = None if config.residual == "delta" else config.n_route_blocks  # delta: always 2 * n_layer
@@ -66,7 +66,7 @@ def fp32_layer_norm(ln):
 def measured_model(config, cfg, seed=0):
     """The model of `config` as cfg would train it: its weights in cfg's precision, its blocks
     recomputing in backward with activation checkpointing."""
-    dtype, cast = precision(cfg)
+    dtype, cast = planned_precision(cfg)
     torch.manual_seed(seed)
     model = GPT(config)
     for block in model.transformer.h:
@@ -83,7 +83,7 @@ def measured_model(config, cfg, seed=0):
 def measure(model, cfg, batch, block_size):
     """bench.saved_bytes of one micro-step of `batch` sequences of `block_size` tokens, in cfg's precision."""
     idx = torch.randint(0, model.config.vocab_size, (batch, block_size))
-    if precision(cfg)[0] == "float32":
+    if planned_precision(cfg)[0] == "float32":
         return bench.saved_bytes(model, idx)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return bench.saved_bytes(model, idx)
@@ -102,7 +102,7 @@ _fits = {}
 
 def fit(cfg, vocab):
     """Coefficients of TERMS (bytes) for cfg's activations at vocabulary `vocab`, from 30 measurements."""
-    key = (tuple(getattr(cfg, f) for f in FIT_FIELDS), cfg.n_embd // cfg.n_head, precision(cfg), vocab)
+    key = (tuple(getattr(cfg, f) for f in FIT_FIELDS), cfg.n_embd // cfg.n_head, planned_precision(cfg), vocab)
     if key not in _fits:
         _fits[key] = _fit(cfg, vocab)
     return _fits[key]
@@ -115,7 +115,7 @@ def _fit(cfg, vocab):
     rows, saved = [], []
     for L in (l, 2 * l, 3 * l):
         for heads in (2, 3):
-            config = model_config(cfg, vocab, n_layer=L, n_head=heads, n_embd=heads * head,
+            config = measured_config(cfg, vocab, n_layer=L, n_head=heads, n_embd=heads * head,
                                   block_size=max(T for _, T in SIZES))
             model = measured_model(config, cfg)
             for B, T in SIZES:
@@ -141,7 +141,7 @@ def memory(cfg, vocab, nproc, batch=None):
     """Bytes per GPU of one training step of cfg on nproc GPUs (at micro-batch `batch`), by part."""
     n, block = parameters(cfg, vocab)
     shards = nproc if cfg.fsdp else 1
-    dtype, _ = precision(cfg)
+    dtype, _ = planned_precision(cfg)
     compute = 4 if dtype == "float32" else 2
     parts = {"parameters": 4 * n / shards, "gradients": 4 * n / shards, "AdamW state": 8 * n / shards}
     if cfg.fsdp:
@@ -199,10 +199,10 @@ def gib(n):
     return f"{n / GIB:.1f}" if n >= GIB else f"{n / GIB:.2g}"
 
 
-def table(cfg, vocab, nproc):
+def plan_table(cfg, vocab, nproc):
     """The header and the per-GPU table of cfg on nproc GPUs, as lines of Markdown."""
     n, block = parameters(cfg, vocab)
-    dtype, cast = precision(cfg)
+    dtype, cast = planned_precision(cfg)
     setup = f"FSDP over {nproc} GPUs" if cfg.fsdp else f"DDP over {nproc} GPUs" if nproc > 1 else "one GPU"
     shard = f", 1/{nproc} each" if cfg.fsdp and nproc > 1 else ""
     mode = "bf16 weights" if cast else "fp32" if dtype == "float32" else f"{dtype} autocast"
@@ -263,7 +263,7 @@ def no_fit(cfg, vocab, nproc, gpu_memory, room):
             f"at any batch size: --batch-size 1 with {flags} needs {gib(need)} of {room}; {what}")
 
 
-def report(cfg, nproc=1, gpu_memory=None, vocab=None):
+def plan_report(cfg, nproc=1, gpu_memory=None, vocab=None):
     """The plan of cfg on nproc GPUs as text; ConfigError for bad input or a plan nothing makes fit."""
     if nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
@@ -275,7 +275,7 @@ def report(cfg, nproc=1, gpu_memory=None, vocab=None):
         raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple of "
                           f"--nproc {nproc} (train.py divides the micro-steps among the GPUs)")
     vocab = vocab or vocab_size(cfg)
-    lines = table(cfg, vocab, nproc)
+    lines = plan_table(cfg, vocab, nproc)
     if gpu_memory is not None:
         lines += [""] + advice(cfg, vocab, nproc, gpu_memory)
     return "\n".join(lines)

@@ -150,22 +150,13 @@ def checked_options(options, where, flag=False):
 
 
 def checked_value(key, kind, value, where):
-    if key == "n_route_blocks" and value == EVERY_SUBLAYER or value is None and "Optional" in kind:
-        return value  # None: from the command line's --option none
-    if "bool" in kind:
-        ok = isinstance(value, bool)
-    elif "int" in kind:
-        ok = type(value) is int
-    elif "float" in kind:
-        ok, value = type(value) in (int, float), float(value) if type(value) in (int, float) else value
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        expected = ("true or false" if "bool" in kind else "an integer" if "int" in kind else "a number"
-                    if "float" in kind else "a string")
+    if key == "n_route_blocks" and value == EVERY_SUBLAYER:
+        return value
+    try:
+        return O.typed(kind, value, text=False)  # None: from the command line's --option none
+    except ValueError as expected:
         extra = f' or "{EVERY_SUBLAYER}" (every sublayer)' if key == "n_route_blocks" else ""
-        raise StudyError(f"{where}: {key} expects {expected}{extra}, got {value!r}")
-    return value
+        raise StudyError(f"{where}: {key} expects {expected}{extra}, got {value!r}") from None
 
 
 def checked_sweep(sweep, where, train):
