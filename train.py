@@ -37,7 +37,7 @@ from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, ROUTE_FIELDS, as_typed, 
 from plumbing.distributed import full_state, load_optimizer_state, process_group, root_gathered, shard
 from plumbing.routing_stats import routing_stats
 from plumbing.rundir import Progress, RunLock, RunRecord, StopFlag, check_folder, check_same_data, claim_run_dir
-from plumbing.system import apply_process_settings, cpu_has_bfloat16
+from plumbing.system import apply_process_settings, check_memory, cpu_has_bfloat16
 
 # -----------------------------------------------------------------------------
 # the knobs: every field is an option of `python train.py` and `python cli.py train` (--help lists them)
@@ -98,6 +98,7 @@ class TrainConfig:
     compile: Optional[bool] = option(None, "torch.compile the model (default: on for CUDA, off elsewhere)")
     threads: Optional[int] = option(None, "CPU threads for torch (default: the free cores, so a busy machine gets fewer)")
     keep_freed_memory: bool = option(True, "CPU: malloc keeps freed memory for the next step (no page faults each step)")
+    memory_check: bool = option(True, "CPU: refuse a run whose activations alone would exceed this machine's memory")
     fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the processes with FSDP2")
     activation_checkpointing: bool = option(False, "recompute each attention and MLP in backward (less activation memory)")
     wandb_project: Optional[str] = option(None, "also log the metrics to this Weights & Biases project (needs the wandb package)")
@@ -206,6 +207,7 @@ def train(cfg):
                               f"of the number of processes {world_size}")
         accum = cfg.gradient_accumulation_steps // world_size  # micro-steps per rank
         tokens_per_iter = accum * world_size * cfg.batch_size * cfg.block_size
+        check_memory(cfg, device, world_size)  # a run far past this machine's memory is refused before any work
         ckpt, changed = resume_checkpoint(cfg, master) if cfg.resume else claim_run_dir(cfg, master)
         torch.manual_seed(cfg.seed + rank)
         dtype, ctx, scaler = precision(cfg, device, master)

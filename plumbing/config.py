@@ -18,7 +18,7 @@ from plumbing.rundir import import_wandb
 MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name != "vocab_size")  # the TrainConfig fields that build GPTConfig
 ROUTE_FIELDS = ("residual", *ROUTING_FIELDS)  # --init-from may change these
 ARCH_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "fast_routing"))  # fixed once trained
-BOOKKEEPING_FIELDS = ("out_dir", "resume", "overwrite", "progress", "eval_only", "threads", "keep_freed_memory",
+BOOKKEEPING_FIELDS = ("out_dir", "resume", "overwrite", "progress", "eval_only", "threads", "keep_freed_memory", "memory_check",
                       "log_interval", "ckpt_interval", "wandb_project", "wandb_run_name")  # change no number of a run
 BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}  # a flag's value in words
 PROCESS_FIELDS = ("device", "threads", "keep_freed_memory")  # what system.apply_process_settings reads

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -167,26 +168,45 @@ class RunLock:
 
 
 class StopFlag:
-    """SIGINT/SIGTERM set a flag (the loop then checkpoints and exits); a second signal acts as usual."""
+    """SIGINT/SIGTERM set a flag (the loop then checkpoints and exits); a second one ends the process at once, even
+    inside a long torch op, where Python's own handlers wait for the op to return."""
 
     def __init__(self):
-        self.signal = None
+        self.signal, self.previous, self.wakeup = None, {}, None
 
     def __enter__(self):
-        import threading
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self.handle)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self.handle)
+        # the C-level handler writes each signal's number to this pipe at once: a thread counts them there
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self.wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False), read, write
+        threading.Thread(target=self.second_signal_ends, args=(read,), daemon=True).start()
         return self
 
     def handle(self, signum, frame):
         self.signal = signum
-        signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+
+    @staticmethod
+    def second_signal_ends(read):
+        count = 0
+        while (got := os.read(read, 1)):
+            if got[0] in (signal.SIGINT, signal.SIGTERM):
+                count += 1
+                if count == 2:
+                    os._exit(128 + got[0])  # 130 for Ctrl-C, as a shell reports it
+        os.close(read)
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if self.wakeup is not None:
+            previous, read, write = self.wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the thread reads end-of-file and ends
+            self.wakeup = None
 
 
 def jsonable(obj):

@@ -34,6 +34,23 @@ def checked_device(name):
     return device
 
 
+def check_memory(cfg, device, world_size):
+    """Refuse, before any work, a CPU training run whose saved activations and weights alone exceed this machine's
+    memory: such a run swaps, or sits for an hour inside one op. The count is a lower bound (64 bytes per token,
+    channel and layer in float32, below what every mode saves), so a run it lets through may still not fit."""
+    if device.type != "cpu" or not cfg.memory_check or cfg.eval_only:
+        return
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's processes on this machine
+    need = ranks * (64 * cfg.batch_size * cfg.block_size * cfg.n_embd * cfg.n_layer + 16 * 12 * cfg.n_layer * cfg.n_embd ** 2)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(f"training --block-size {cfg.block_size} at --batch-size {cfg.batch_size} ({cfg.n_layer} layers, "
+                          f"width {cfg.n_embd}) needs at least {need / 2**30:.1f} GiB on this CPU (its saved activations "
+                          f"and weights), more than the machine's {have / 2**30:.1f} GiB; use a smaller --block-size or "
+                          f"--batch-size (python cli.py plan estimates a config's memory), or pass --no-memory-check to "
+                          f"try anyway")
+
+
 def cpu_has_bfloat16():
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16, AMX, Arm BF16), as Linux reports it; False if unknown."""
     try:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import data
+import train as T
 from conftest import ROOT, ok, refused, run
 from plumbing import checkpoint as CK, rundir as RD
 from workbench import report as R
@@ -428,3 +429,15 @@ def test_a_python_without_the_packages_gets_one_line(argv):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(lines) == 1 and "lacks delta-gpt's packages" in lines[0], out.stderr
     assert "make install" in lines[0] and ".venv/bin/activate" in lines[0] and not out.stdout
+
+
+def test_a_context_past_the_machines_memory_is_refused_before_any_work(tiny_data, tmp_path):
+    # the student's run: a context of 100,000 was accepted and sat 43 minutes inside one op at 13 GB
+    out = tmp_path / "huge"
+    refused("--no-memory-check to try anyway", "train", "--residual", "delta", "--block-size", "100000", "--max-iters", "10",
+            "--dataset", "tiny", "--data-dir", tiny_data, "--out-dir", out, "--device", "cpu")
+    assert not out.exists()
+    from plumbing.system import check_memory
+    cfg = T.make_config("cpu", block_size=100000, memory_check=False)
+    assert check_memory(cfg, torch.device("cpu"), 1) is None  # --no-memory-check: the user's call
+    check_memory(T.make_config("cpu"), torch.device("cpu"), 1)  # the cpu preset fits anywhere

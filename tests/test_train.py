@@ -148,6 +148,29 @@ def test_checkpoint_write_crash_keeps_previous(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # a subprocess
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_ends_the_process_inside_a_long_op(second):
+    # the first signal only sets the flag (Python runs its handler when the op returns); the second ends it at once
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from plumbing.rundir import StopFlag; "
+            "torch.set_num_threads(1); a = torch.randn(2500, 2500, dtype=torch.float64)\n"
+            "with StopFlag() as stop:\n"
+            "    print('ready', flush=True)\n"
+            "    torch.linalg.matrix_power(a, 2**62)  # about a minute in one op\n"
+            "    print('the op returned', flush=True)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.5)  # inside the op
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    p.send_signal(second)
+    try:
+        stdout, stderr = p.communicate(timeout=30)  # well before the op could return
+    finally:
+        p.kill()
+    assert p.returncode == 128 + second and "the op returned" not in stdout and not stderr
+
+
+@pytest.mark.slow  # a subprocess
 def test_sigint_writes_a_loadable_checkpoint_and_resumes(tiny_data, tmp_path):
     out = tmp_path / "run"
     args = cli_args(tiny_data, out, max_iters=100000, lr_decay_iters=100000, ckpt_interval=100000, eval_interval=100000)
