@@ -119,9 +119,12 @@ def sample(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="sample only from the k most likely tokens [default: 200, or the vocabulary size if smaller]"),
     seed: int = typer.Option(1337, "--seed", help="random seed"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, mps"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: the cores free when it starts)"),
 ):
     """Generate text from a checkpoint with the KV cache, decoded with the checkpoint's tokenizer."""
     import sample as S
+    from plumbing.system import choose_threads
+    choose_threads(threads, "sampling")
     texts = S.generate_text(ckpt, prompt, prompt_file, num_samples, max_new_tokens, temperature, top_k, seed, device)
     typer.echo(next(texts))  # the header: the checkpoint's step and val loss, the seed
     for text in texts:
@@ -138,9 +141,12 @@ def report(
     batch_size: int = typer.Option(8, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
     force: bool = typer.Option(False, "--force", help="replace report.json and report.png if --out holds them"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: the cores free when it starts)"),
 ):
     """Routing sharpness on fixed validation batches: a table, report.json and report.png."""
+    from plumbing.system import choose_threads
     from workbench import report as R
+    choose_threads(threads, "reporting")
     table, written = R.report_checkpoints(ckpt, out, batches, batch_size, data_dir, force)
     typer.echo(table)
     typer.echo(f"\nwrote {' and '.join(str(p) for p in written)}")
@@ -159,9 +165,12 @@ def convert(
     batch_size: int = typer.Option(12, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
     force: bool = typer.Option(False, "--force", help="replace --out if it exists (never the input checkpoint)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: the cores free when it starts)"),
 ):
     """A routed checkpoint from a baseline one, routing at zero init; prints the val loss before and after."""
     import sample as S
+    from plumbing.system import choose_threads
+    choose_threads(threads, "converting")
     before, after, _ = S.convert_checkpoint(ckpt, out, residual, n_route_blocks, route_partial, eval_iters,
                                             batch_size, data_dir, force, route_heads=route_heads)
     typer.echo(f"val loss: baseline {before:.6f}, {residual} {after:.6f} (change {after - before:+.2e}; each the "
@@ -233,9 +242,12 @@ def evaluate(
     batch_size: int = typer.Option(12, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, mps"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: the cores free when it starts)"),
 ):
     """Validation loss and perplexity of a checkpoint on fixed batches."""
     import sample as S
+    from plumbing.system import choose_threads
+    choose_threads(threads, "evaluating")
     name, loss, block_size = S.evaluate_checkpoint(ckpt, dataset, eval_iters, batch_size, data_dir, device)
     typer.echo(f"{name} val loss {loss:.4f}, perplexity {math.exp(loss):.3f} "
                f"({eval_iters} batches of {batch_size} x {block_size} tokens)")

@@ -84,6 +84,22 @@ def busy_cores(seconds=0.25):
     return round((1 - (i1 - i0) / max(1, t1 - t0)) * (os.cpu_count() or 1))
 
 
+def choose_threads(threads, doing):
+    """Every command's one rule for torch's CPU threads: --threads N, or else the cores free when it starts (two
+    jobs with all threads each on the same cores run many times slower); a note says when some are busy. The
+    choice holds for the whole command: a load that comes later is not seen."""
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+        return
+    cores, busy = torch.get_num_threads(), busy_cores()
+    if busy and cores > 1:
+        torch.set_num_threads(max(1, cores - busy))
+        print(f"note: {busy} of {cores} cores are busy; {doing} with {torch.get_num_threads()} thread(s) "
+              f"(--threads N to choose)", file=sys.stderr)
+
+
 def apply_process_settings(cfg):
     """Threads (--threads, or the free cores: two jobs with all threads each run many times slower), malloc
     on the CPU (--keep-freed-memory), TF32 on CUDA for the float32 matmuls autocast leaves (as nanoGPT)."""
@@ -91,13 +107,7 @@ def apply_process_settings(cfg):
     on_cpu = kind == "cpu"
     if kind == "cuda":
         torch.set_float32_matmul_precision("high")  # allow tf32 on matmul
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    elif on_cpu and int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        cores, busy = torch.get_num_threads(), busy_cores()
-        if busy and cores > 1:
-            torch.set_num_threads(max(1, cores - busy))
-            print(f"note: {busy} of {cores} cores are busy; training with {torch.get_num_threads()} thread(s) "
-                  f"(--threads N to choose)", file=sys.stderr)
+    if cfg.threads is not None or (on_cpu and int(os.environ.get("WORLD_SIZE", 1)) == 1):
+        choose_threads(cfg.threads, "training")
     if on_cpu and cfg.keep_freed_memory:
         keep_freed_memory()

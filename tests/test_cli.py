@@ -441,3 +441,23 @@ def test_a_context_past_the_machines_memory_is_refused_before_any_work(tiny_data
     cfg = T.make_config("cpu", block_size=100000, memory_check=False)
     assert check_memory(cfg, torch.device("cpu"), 1) is None  # --no-memory-check: the user's call
     check_memory(T.make_config("cpu"), torch.device("cpu"), 1)  # the cpu preset fits anywhere
+
+
+def test_every_command_chooses_its_threads_by_one_rule(runs, tmp_path, monkeypatch):
+    # one core of two busy: sample, evaluate, report and convert take the free one, as train does, and say so
+    from plumbing import system
+    monkeypatch.setattr(system, "busy_cores", lambda seconds=0.25: 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    ckpt, base = runs / "delta" / "last.pt", runs / "baseline" / "last.pt"
+    for doing, args in (("sampling", ["sample", "--ckpt", ckpt, "--num-samples", 1, "--max-new-tokens", 4]),
+                        ("evaluating", ["eval", "--ckpt", ckpt, "--eval-iters", 1]),
+                        ("reporting", ["report", "--ckpt", ckpt, "--batches", 1, "--out", tmp_path / "r"]),
+                        ("converting", ["convert", "--ckpt", base, "--residual", "delta", "--out", tmp_path / "c.pt",
+                                        "--eval-iters", 1])):
+        result = run(*args)
+        assert result.exit_code == 0 and f"1 of 2 cores are busy; {doing} with" in result.stderr, result.output
+        assert chosen.pop() == 1 and not chosen
+        assert run(*args[:3], "--threads", 2, *args[3:]).exit_code in (0, 1) and chosen.pop() == 2  # --threads rules
+    refused("--threads must be at least 1", "sample", "--ckpt", ckpt, "--threads", 0)
