@@ -32,7 +32,7 @@ from delta_gpt import GPT, GPT2_MODELS
 from errors import ConfigError, DeltaGPTError, TrainError
 from plumbing.checkpoint import (checkpoint_dict, dataset_info, load_checkpoint, model_from_gpt2, model_from_init_checkpoint,
                                  restore_rng, resume_checkpoint, resume_model, rng_state, save_checkpoint)
-from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, ROUTE_FIELDS, as_typed, check_config, flag, model_config,
+from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, ROUTE_FIELDS, as_typed, check_config, flag, mode_label, model_config,
                              out_dir_of, parse_args, preset_config, train_help)
 from plumbing.distributed import full_state, load_optimizer_state, process_group, root_gathered, shard
 from plumbing.routing_stats import routing_stats
@@ -66,7 +66,7 @@ class TrainConfig:
     route_weights: Optional[str] = option(None, "dynamic (per token, from the sources) or static (one learned weight per source: the control)")
     route_heads: Optional[int] = option(None, "H routing heads: each of H channel groups is routed apart (multi-head routing; default 1)")
     fast_routing: bool = option(True, "the fused routing path (same numbers as the plain one; off: the plain path)")
-    init_from: str = option("scratch", "scratch, a baseline checkpoint path, or gpt2 / gpt2-medium / ...")
+    init_from: str = option("scratch", "scratch, a checkpoint path (any mode of the same shape: its weights, its routing if it routes the same way), or gpt2 / gpt2-medium / ...")
     # optimisation
     batch_size: int = option(12, "sequences per micro-step per rank")
     gradient_accumulation_steps: int = option(1, "micro-steps per step, over all ranks (divided among them)")
@@ -288,9 +288,11 @@ def train(cfg):
                 record.write_config(cfg, raw_model, ds.meta, world_size, device, dtype)
                 if changed:
                     record.log(kind="resume", step=iter_num, changed={k: list(v) for k, v in changed.items()})
-                print(f"{cfg.residual}: {raw_model.get_num_params():,} parameters, {tokens_per_iter:,} tokens per step, "
+                print(f"{mode_label(cfg)}: {raw_model.get_num_params():,} parameters, {tokens_per_iter:,} tokens per step, "
                       f"{device} {dtype}{' compiled' if compiled else ''}, run directory {out_dir}; each loss below is "
                       f"the mean of {cfg.eval_iters} fixed batches of its split")
+                if cfg.resume:
+                    print(f"resuming at step {iter_num} from {out_dir / 'last.pt'}")
             saved_step = iter_num if cfg.resume else None  # the step last.pt holds
             loss, val_loss, tok_s = float("nan"), None, None
             while True:  # max_iters + 1 passes: the last one only evaluates and checkpoints the final model

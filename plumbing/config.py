@@ -11,7 +11,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from delta_gpt import GPT2_MODELS, GPTConfig, ROUTING_FIELDS
+from delta_gpt import GPT2_MODELS, GPTConfig, RESIDUALS, ROUTING_FIELDS
 from errors import ConfigError
 from plumbing.rundir import import_wandb
 
@@ -40,6 +40,26 @@ def preset_config(TrainConfig, presets, preset=None, **overrides):
     if overrides.get("resume") and overrides.get("init_from", "scratch") != "scratch":
         raise ConfigError("--resume continues out_dir/last.pt; it cannot be combined with --init-from")
     return replace(TrainConfig(), **{**presets[preset], **overrides, "preset": preset})
+
+
+def parse_mode(mode):
+    """'delta_block-static-h4' -> ('delta_block', {route_weights: static, route_heads: 4}): the names bench,
+    compare and study files give a routed mode's static control and its heads; ConfigError if unknown."""
+    m = re.fullmatch(r"(\w+?)(-static)?(?:-h(\d+))?", mode)
+    if not m or m[1] not in RESIDUALS or (m[1] == "baseline" and m[0] != "baseline"):
+        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(RESIDUALS)}, a routed mode's static "
+                          f"control (delta_block-static), or H routing heads (delta_block-h4, delta_block-static-h4)")
+    return m[1], dict(**({"route_weights": "static"} if m[2] else {}), **({"route_heads": int(m[3])} if m[3] else {}))
+
+
+def mode_label(c):
+    """A model's mode as headers, reports and tables name it (a GPTConfig, or a TrainConfig with the model's
+    values): delta, delta-static, delta_block-h4, attnres cumulative, ... (parse_mode reads the first part back)."""
+    if c.residual == "baseline":
+        return "baseline"
+    heads = f"-h{c.route_heads}" if (c.route_heads or 1) > 1 else ""
+    static = "-static" if c.route_weights == "static" else ""
+    return f"{c.residual}{static}{heads}" + (" cumulative" if c.route_sources == "cumulative" else "")
 
 
 def out_dir_of(cfg):

@@ -461,3 +461,21 @@ def test_every_command_chooses_its_threads_by_one_rule(runs, tmp_path, monkeypat
         assert chosen.pop() == 1 and not chosen
         assert run(*args[:3], "--threads", 2, *args[3:]).exit_code in (0, 1) and chosen.pop() == 2  # --threads rules
     refused("--threads must be at least 1", "sample", "--ckpt", ckpt, "--threads", 0)
+
+
+def test_static_cumulative_and_multi_head_runs_are_named_apart(tiny_data, tmp_path):
+    # the header, report's column and report.json name the control and the heads, as bench and studies do
+    base = ["--dataset", "tiny", "--data-dir", tiny_data, "--max-iters", 4, "--eval-interval", 2, *TINY]
+    for args, label in ((["--residual", "delta", "--route-weights", "static"], "delta-static"),
+                        (["--residual", "delta_block", "--route-heads", 2], "delta_block-h2"),
+                        (["--residual", "attnres", "--route-sources", "cumulative"], "attnres cumulative")):
+        out = ok("train", *args, "--out-dir", tmp_path / label, *base)
+        assert f"\n{label}: " in "\n" + out or out.startswith(f"{label}: "), out
+        ok("report", "--ckpt", tmp_path / label / "last.pt", "--batches", 1, "--out", tmp_path / label / "r")
+        assert list(json.loads((tmp_path / label / "r" / "report.json").read_text())) == [label]
+    resumed = ok("train", "--out-dir", tmp_path / "delta-static", "--resume", "--max-iters", 6)
+    assert f"resuming at step 4 from {tmp_path / 'delta-static' / 'last.pt'}" in resumed
+    plan = ok("compare", "--residual", "baseline,delta-static,delta_block-static-h2", "--seeds", 1, "--dry-run",
+              "--out", tmp_path / "cmp", "--dataset", "tiny", "--data-dir", tiny_data, "--max-iters", 4, *TINY)
+    assert "3 runs" in plan
+    refused("unknown mode 'delta-dynamic'", "compare", "--residual", "delta-dynamic", "--dry-run")

@@ -262,7 +262,8 @@ def test_interrupted_study_resumes_where_it_stopped(tiny_data, tmp_path, monkeyp
             return train(cfg)
 
     monkeypatch.setattr(T, "train", interrupted_run)
-    assert run("compare", "--study", path, "--out", out).exit_code == 130
+    stopped = run("compare", "--study", path, "--out", out)
+    assert stopped.exit_code == 130 and "run the same command again" in stopped.output and "--resume to" not in stopped.output
     monkeypatch.setattr(T, "train", train)
     interrupted = out / "n_route_blocks=1" / "db-s1" / "last.pt"
     assert CK.load_checkpoint(interrupted)["iter_num"] == 2 and not (out / "n_route_blocks=2").exists()
@@ -273,7 +274,8 @@ def test_interrupted_study_resumes_where_it_stopped(tiny_data, tmp_path, monkeyp
     assert "3 runs (2 n_route_blocks values x 1 variant x 1 seed, baseline once per seed), 1 finished, " \
            "2 to train (1 resumed)" in again
     assert trained == [(str(out / "n_route_blocks=1" / "db-s1"), True), (str(out / "n_route_blocks=2" / "db-s1"), False)]
-    assert (out / "baseline-s1" / "last.pt").stat().st_mtime_ns == finished and "reusing the finished run" in again
+    assert (out / "baseline-s1" / "last.pt").stat().st_mtime_ns == finished
+    assert "baseline seed 1: reusing the finished run" in again  # the sweep of block counts does not apply to it
     assert CK.load_checkpoint(interrupted)["iter_num"] == 4
     rows = json.loads((out / "compare.json").read_text())["rows"]
     assert [(r["sweep"], r["variant"]) for r in rows] == [(1, "baseline"), (1, "db"), (2, "baseline"), (2, "db")]
@@ -320,6 +322,7 @@ def test_a_signal_stops_the_runs_side_by_side_at_a_checkpoint_and_compare_resume
     assert p.returncode == 130 and "Traceback" not in output, output
     steps = [CK.load_checkpoint(log.parent / "last.pt")["iter_num"] for log in logs]
     assert all(s < 1500 for s in steps) and output.count("stopped by signal") == 2, output
+    assert output.rstrip().splitlines()[-1].startswith("compare stopped:") and "run the same command again" in output
     assert not any("Traceback" in log.read_text() for log in logs)
     again = ok("compare", "--study", path, "--out", out, "--jobs", 2)
     assert again.count("resuming in") == 2 and again.count("finished at step 1500") == 2

@@ -13,7 +13,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import replace
@@ -22,6 +21,7 @@ import torch
 
 from delta_gpt import GPT, GPTConfig, RESIDUALS
 from errors import DeltaGPTError
+from plumbing.config import parse_mode
 from plumbing.system import keep_freed_memory
 
 # name -> (model config, batch size), fp32 eager on the CPU: the cpu preset's model (character vocabulary) and GPT-2 small
@@ -48,15 +48,6 @@ def mode_config(config, mode, **route):
     route = {} if residual == "baseline" else {k: v for k, v in route.items() if v is not None}
     return replace(config, residual=residual, n_route_blocks=None, route_partial=None, route_sources=None,
                    **route, **named)
-
-
-def parse_mode(mode):
-    """'delta_block-static-h4' -> ('delta_block', {route_weights: static, route_heads: 4}); BenchError if unknown."""
-    m = re.fullmatch(r"(\w+?)(-static)?(?:-h(\d+))?", mode)
-    if not m or m[1] not in RESIDUALS or (m[1] == "baseline" and m[0] != "baseline"):
-        raise BenchError(f"unknown mode {mode!r}; choose from {', '.join(RESIDUALS)}, a routed mode's static "
-                         f"control (delta_block-static), or H routing heads (delta_block-h4, delta_block-static-h4)")
-    return m[1], dict(**({"route_weights": "static"} if m[2] else {}), **({"route_heads": int(m[3])} if m[3] else {}))
 
 
 def saved_bytes(model, idx):

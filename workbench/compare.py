@@ -150,7 +150,7 @@ def train_logged(cfg, state):
 
 
 def run_label(r):
-    return f"{r.variant}{'' if r.value is None else f' {S.value_label(r.value)}'} seed {r.seed}"
+    return f"{r.variant}{f' {S.value_label(r.value)}' if r.swept and r.value is not None else ''} seed {r.seed}"
 
 
 def run_summary(out_dir, seed):
@@ -209,11 +209,16 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
     if dry_run:
         return None
     S.claim_folder(study, out, overwrite)
-    if jobs > 1:
-        train_side_by_side([(r, state) for r, (state, _) in zip(unique, states)], jobs, echo)
-    else:
-        for r, (state, _) in zip(unique, states):
-            train_or_reuse(r.cfg, state, run_label(r), echo)
+    try:
+        if jobs > 1:
+            train_side_by_side([(r, state) for r, (state, _) in zip(unique, states)], jobs, echo)
+        else:
+            for r, (state, _) in zip(unique, states):
+                train_or_reuse(r.cfg, state, run_label(r), echo)
+    except KeyboardInterrupt:
+        echo("compare stopped: the finished runs are kept and the stopped ones checkpointed; run the same command "
+             "again to go on (compare resumes them itself, without --resume)")
+        raise
     summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed))
                  for r in runs]
     option = study.sweep[0] if study.sweep else None

@@ -20,7 +20,7 @@ import torch
 import data
 from errors import ConfigError
 from plumbing.checkpoint import checkpoint_dataset, load_model
-from plumbing.config import at_least_one
+from plumbing.config import at_least_one, mode_label
 from plumbing.routing_stats import routing_stats
 from plumbing.rundir import check_folder, jsonable
 
@@ -217,7 +217,7 @@ def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, 
         loaded.append((path, model, checkpoint_dataset(ckpt, path, data_dir=data_dir)))
     reports = []
     for path, model, ds in loaded:
-        label = model.config.residual if len({str(p) for p in paths}) == len(paths) else str(path)
+        label = mode_label(model.config) if len({str(p) for p in paths}) == len(paths) else str(path)
         if any(label == l for l, _ in reports):
             label = f"{label} ({Path(path).parent.name})"
         device = model.lm_head.weight.device

@@ -54,6 +54,7 @@ class Run:
     value: object                   # the sweep value (None without a sweep)
     seed: int
     cfg: object                     # out_dir set: runs of a variant the sweep does not apply to share one
+    swept: bool = True              # False: the sweep does not apply to the variant (a baseline's block count)
 
 
 def load_study(path, overrides=None, preset=None):
@@ -75,11 +76,15 @@ def study_from_modes(modes, seeds, preset=None, overrides=None):
     """The study `compare --residual a,b,c` asks for: one variant per mode, paired with the baseline
     (or the first mode when the baseline is not among them)."""
     reference = "baseline" if "baseline" in modes else (modes[0] if modes else "baseline")
-    bad = next((m for m in modes if m not in RESIDUALS), None)
-    if not modes or bad is not None:
-        raise StudyError(f"unknown mode {bad or ''!r}; choose from {', '.join(RESIDUALS)}")
-    return study_from_dict(dict(seeds=list(seeds), reference=reference, variants={m: {"residual": m} for m in modes}),
-                           "compare", overrides, preset, where="compare")
+    variants = {}
+    for m in modes or [""]:  # delta, delta-static, delta_block-h4: the names bench and study files use
+        try:
+            residual, named = O.parse_mode(m)
+        except DeltaGPTError as e:
+            raise StudyError(str(e)) from None
+        variants[m] = {"residual": residual, **named}
+    return study_from_dict(dict(seeds=list(seeds), reference=reference, variants=variants), "compare", overrides,
+                           preset, where="compare")
 
 
 def study_from_dict(raw, name, overrides=None, preset=None, where="the study"):
@@ -232,7 +237,7 @@ def cross(study, out):
                     cfg = T.make_config(study.preset, **kw, seed=seed, out_dir=str(folder / f"{vname}-s{seed}"))
                 except DeltaGPTError as e:
                     raise StudyError(f"variant {vname!r}{at}: {e}") from None
-                runs.append(Run(vname, value, seed, cfg))
+                runs.append(Run(vname, value, seed, cfg, swept))
             key = json.dumps({k: v for k, v in run_settings(cfg).items() if k != "seed"}, sort_keys=True, default=str)
             other = seen.setdefault((value_label(value), key), vname)
             if other != vname:
