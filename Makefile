@@ -11,7 +11,7 @@ RUN ?= runs/quickstart
 DATA_ARGS ?=
 TRAIN_ARGS ?=
 
-.PHONY: install test test-fast train bench gpu-check clean
+.PHONY: install test test-fast check-pages train bench gpu-check clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 # the suite without the torch.compile and multi-process tests (CI runs the full `make test`)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not compile and not slow"
+
+# the pages' commands rerun in a fresh clone, every quoted output checked (about 40 minutes on two idle cores)
+check-pages: $(STAMP)
+	$(PY) tests/check_pages.py
 
 train: $(STAMP)
 	$(PY) cli.py prepare $(DATA_ARGS)
