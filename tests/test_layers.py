@@ -60,3 +60,14 @@ def test_the_layers_point_down():
         assert all(t == "errors" or t.split(".")[0] == "data" for t in graph[name]), (name, graph[name])
     for name in [n for n in graph if n.startswith("plumbing")] + ["train"]:  # below the workbench
         assert not {t for t in graph[name] if t.split(".")[0] in ("workbench", "sample", "cli", "train")}, name
+
+
+def test_python_train_py_loads_train_py_once():
+    # as __main__ only: nothing it imports imports `train` back (which would run the file a second time)
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    assert out.returncode == 0 and "usage: python train.py" in out.stdout
+    assert "plumbing.config" in imported and "train" not in imported
