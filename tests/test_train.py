@@ -771,7 +771,7 @@ def test_multi_head_routing_is_recorded_as_architecture(tiny_data, tmp_path):
     T.train(T.resume_config(out_dir=str(tmp_path / "heads"), max_iters=6))
     from workbench import report as R
     _, written = R.report_checkpoints([tmp_path / "heads" / "last.pt"], batches=1, batch_size=2)
-    rows = json.loads(written[0].read_text())["delta_block"]["sublayers"]
+    rows = json.loads(written[0].read_text())["delta_block-h4"]["sublayers"]  # the label names the heads
     routed = [r for r in rows if r["n"] > 1]
     assert routed and all(len(r["heads"]) == 4 for r in routed)
     for r in routed:
