@@ -23,6 +23,7 @@ import typer.core  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
+THREADS = typer.Option(None, "--threads", help="CPU threads (default: the cores free when it starts)")  # every command's one rule
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}  # train-style --field value options
 
 
@@ -119,7 +120,7 @@ def sample(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="sample only from the k most likely tokens [default: 200, or the vocabulary size if smaller]"),
     seed: int = typer.Option(1337, "--seed", help="random seed"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, mps"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: the cores free when it starts)"),
+    threads: Optional[int] = THREADS,
 ):
     """Generate text from a checkpoint with the KV cache, decoded with the checkpoint's tokenizer."""
     import sample as S
@@ -141,7 +142,7 @@ def report(
     batch_size: int = typer.Option(8, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
     force: bool = typer.Option(False, "--force", help="replace report.json and report.png if --out holds them"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: the cores free when it starts)"),
+    threads: Optional[int] = THREADS,
 ):
     """Routing sharpness on fixed validation batches: a table, report.json and report.png."""
     from plumbing.system import choose_threads
@@ -165,7 +166,7 @@ def convert(
     batch_size: int = typer.Option(12, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
     force: bool = typer.Option(False, "--force", help="replace --out if it exists (never the input checkpoint)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: the cores free when it starts)"),
+    threads: Optional[int] = THREADS,
 ):
     """A routed checkpoint from a baseline one, routing at zero init; prints the val loss before and after."""
     import sample as S
@@ -242,7 +243,7 @@ def evaluate(
     batch_size: int = typer.Option(12, "--batch-size", help="sequences per batch"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where datasets live (default: the checkpoint's)"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, mps"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: the cores free when it starts)"),
+    threads: Optional[int] = THREADS,
 ):
     """Validation loss and perplexity of a checkpoint on fixed batches."""
     import sample as S

@@ -84,8 +84,8 @@ def check_config(cfg):
     for name in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{flag(name)} must not be negative, got {getattr(cfg, name)}")
-    if cfg.threads is not None and cfg.threads < 1:
-        raise ConfigError(f"--threads must be at least 1, got {cfg.threads}")
+    if cfg.threads is not None:
+        at_least_one(threads=cfg.threads)
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume continues the run in out_dir and --overwrite deletes it; give one of them")
     if cfg.device != "auto":

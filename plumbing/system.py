@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from errors import ConfigError
+from plumbing.config import at_least_one
 
 
 def pick_device(cfg):
@@ -89,8 +90,7 @@ def choose_threads(threads, doing):
     jobs with all threads each on the same cores run many times slower); a note says when some are busy. The
     choice holds for the whole command: a load that comes later is not seen."""
     if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads must be at least 1, got {threads}")
+        at_least_one(threads=threads)
         torch.set_num_threads(threads)
         return
     cores, busy = torch.get_num_threads(), busy_cores()
