@@ -150,7 +150,7 @@ def test_shipped_studies_cross_into_valid_runs(tmp_path):
         unique = {r.cfg.out_dir for r in runs}
         assert len(unique) == len(study.seeds) * (values * (len(study.variants) - len(once)) + len(once)), path
         # the exercises use the cpu preset as it is; the map's width point and its study (-w128) are 128 wide
-        width = 128 if path.stem.startswith("exercise") or path.stem.endswith("w128") or "w128-" in path.stem else 64
+        width = 128 if path.stem.startswith("exercise") or "w128" in path.stem else 64
         assert all(r.cfg.n_embd == width and r.cfg.dataset == "shakespeare_char" for r in runs), path
 
 
