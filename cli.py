@@ -98,7 +98,7 @@ def train(ctx: typer.Context):
     """
     import train as T
     from plumbing.config import out_dir_of
-    from plumbing.system import apply_process_settings
+    from plumbing.system import apply_process_settings, end_torchrun_process
     cfg = T.config_from_args(ctx.args)
     apply_process_settings(cfg)
     summary = T.train(cfg)
@@ -106,6 +106,7 @@ def train(ctx: typer.Context):
         typer.echo(f"done: val loss {summary['val_loss']:.4f} (perplexity {math.exp(summary['val_loss']):.2f}, "
                    f"the mean of {cfg.eval_iters} fixed batches) after {summary['iter_num']} steps; "
                    + ("evaluated only, nothing written" if cfg.eval_only else f"checkpoints in {out_dir_of(cfg)}"))
+    end_torchrun_process()
 
 
 @app.command()

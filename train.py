@@ -37,7 +37,7 @@ from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, ROUTE_FIELDS, as_typed, 
 from plumbing.distributed import full_state, load_optimizer_state, process_group, root_gathered, shard
 from plumbing.routing_stats import routing_stats
 from plumbing.rundir import Progress, RunLock, RunRecord, StopFlag, check_folder, check_same_data, claim_run_dir
-from plumbing.system import apply_process_settings, check_memory, cpu_has_bfloat16
+from plumbing.system import apply_process_settings, check_memory, cpu_has_bfloat16, end_torchrun_process
 
 # -----------------------------------------------------------------------------
 # the knobs: every field is an option of `python train.py` and `python cli.py train` (--help lists them)
@@ -441,6 +441,7 @@ def main(argv=None):
         cfg = config_from_args(argv)
         apply_process_settings(cfg)
         train(cfg)
+        end_torchrun_process()
     except KeyboardInterrupt:
         sys.exit(130)
     except DeltaGPTError as e:
