@@ -112,3 +112,18 @@ def test_a_sweep_of_one_variant_draws_one_curves_picture(tmp_path):
 def test_importing_report_does_not_import_matplotlib():
     code = "import sys, train; from workbench import report; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(report.__file__).parent.parent)
+
+
+def test_the_map_picture_is_drawn_from_the_pages_table(tmp_path):
+    """docs/draw_map.py reads the map table of docs/results.md: every row a number or '-' per point, bold kept out."""
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "docs" / "draw_map.py"
+    spec = importlib.util.spec_from_file_location("draw_map", path)
+    draw_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw_map)
+    text = "intro\n**The map, one seed** (notes)\n\n| variant | a | b |\n|---|---|---|\n| x | +0.010 | **-0.043** |\n| y | - | +0.020 |\n\nafter\n"
+    assert draw_map.map_table(text) == (["a", "b"], {"x": [0.01, -0.043], "y": [None, 0.02]})
+    points, gaps = draw_map.map_table((path.parent / "results.md").read_text())
+    assert len(points) >= 3 and gaps and all(len(row) == len(points) for row in gaps.values())
+    draw_map.draw(points, gaps, tmp_path / "map.png")
+    assert matplotlib.image.imread(tmp_path / "map.png").shape[1] > 500
