@@ -3,8 +3,8 @@
     python docs/draw_map.py
 
 The table is the one under "**The map, one seed**": a row per variant, a column per point of the map, each cell
-the variant's final val loss minus the baseline's at the same point ("-" where it was not run). The runs behind
-it are gone from this machine; the studies that made them are named in the page beside the table.
+the variant's final val loss minus the baseline's at the same point ("-" where it was not run). Runs are not kept in
+the repository; the studies that made them are quoted in the page beside the table.
 """
 from pathlib import Path
 
