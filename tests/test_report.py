@@ -121,7 +121,8 @@ def test_the_map_picture_is_drawn_from_the_pages_table(tmp_path):
     spec = importlib.util.spec_from_file_location("draw_map", path)
     draw_map = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(draw_map)
-    text = "intro\n**The map, one seed** (notes)\n\n| variant | a | b |\n|---|---|---|\n| x | +0.010 | **-0.043** |\n| y | - | +0.020 |\n\nafter\n"
+    text = ("intro\n**The map, one seed** (notes)\n\n| variant | a | b |\n|---|---|---|\n"
+            "| x | +0.010 | **-0.043** |\n| y | - | +0.020 |\n\nafter\n")
     assert draw_map.map_table(text) == (["a", "b"], {"x": [0.01, -0.043], "y": [None, 0.02]})
     points, gaps = draw_map.map_table((path.parent / "results.md").read_text())
     assert len(points) >= 3 and gaps and all(len(row) == len(points) for row in gaps.values())
