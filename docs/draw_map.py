@@ -2,9 +2,9 @@
 
     python docs/draw_map.py
 
-The table is the one under "**The map, one seed**": a row per variant, a column per point of the map, each cell
-the variant's final val loss minus the baseline's at the same point ("-" where it was not run). Runs are not kept in
-the repository; the studies that made them are quoted in the page beside the table.
+The table is the one under "**The map, one seed**": a row per variant, a column per point of the map,
+each cell the variant's final val loss minus the baseline's at the same point ("-" where it was not run).
+Runs are not kept in the repository; the studies that made them are quoted in the page beside the table.
 """
 from pathlib import Path
 
