@@ -635,31 +635,33 @@ def is_routing_key(name):
 
 # ================================================================================================
 # The fast path for routing (GPTConfig.fast_routing, on by default). The same numbers as Router and
-# Stream above (tests/test_model.py holds them equal, gradients included), computed so that activation
-# memory stays linear in depth and each source costs fewer passes over memory. A first reading can
-# skip this section: the method is all above.
+# Stream above up to float rounding (tests/test_model.py holds them equal, gradients included), with
+# activation memory linear in depth and few passes over memory. A first reading can skip this section.
 #
 # Router above stacks its n sources, so autograd keeps a stacked copy per sublayer: O(S^2 * B*T*D)
-# floats over the model. Here instead:
+# floats over the model. Here instead (Kimi's two-phase computation, on the CPU):
 #  - w . RMSNorm_g(s) = ((w * g) . s) / rms(s): a source enters the logits only through its score
-#    against the folded query w * g. Each source is scored once, when it is born, against every
-#    router's folded query in one matmul (Score); the stream keeps these scores as a bank (R, n, B, T).
-#  - RouteRead takes the softmax and the weighted sum (added straight onto x in the additive modes),
-#    looping over the sources in place and saving only references to them (alive anyway) and alpha.
-#  - Each source is handed on from router to router as an alias, so its routing gradient is one tensor
+#    against the folded query q = w * g; the keys are never formed.
+#  - Phase 1: a completed block is scored once, when it is born, against every router still to read it,
+#    in one product (Score); each of those routers takes its row.
+#  - Phase 2: the current block's partial sum changes at every sublayer and only one router reads it, so
+#    RouteRead scores it against that router's query, then takes the softmax and the weighted sum
+#    (added straight onto x in the additive modes), looping over the sources in place and saving only
+#    references to them (alive anyway) and alpha.
+#  - Each block is handed on from router to router as an alias, so its routing gradient is one tensor
 #    that each router adds its share into in place (see RouteRead).
 # ================================================================================================
 
 class FastStream(Stream):
-    """Stream with the same reads and writes, routed with the score bank and RouteRead. The routers are
-    read in the model's order (sublayers, then attnres's final router): router j's logits are row j."""
+    """Stream with the same reads and writes, routed with Score and RouteRead. The routers are read in the
+    model's order (sublayers, then attnres's final router): router j's folded query is row j."""
 
     def __init__(self, e, config, routers, record=None):
         self.routers = routers
         self.static = config.route_weights == "static"         # static logits need no scores
         self.heads = config.route_heads                        # H: each router's logits are per head
         self.queries = folded_queries(routers) if routers and not self.static else None  # (R, D)
-        self.scores = None                                     # (R, n, B, T, H): each source's logit for each router
+        self.scores = []                                       # per block: its logits (B, T, H) for each router
         self.handed_on = []                                    # the blocks, as the last router handed them on
         self.reads = 0                                         # routers read so far
         super().__init__(e, config, record)
@@ -667,33 +669,28 @@ class FastStream(Stream):
     def add_block(self, s):
         super().add_block(s)
         self.handed_on.append(s)
-        if not self.static:
-            self.scores = self.with_scores_of(s)
-
-    def with_scores_of(self, s):
-        score = Score.apply(s, self.queries, self.heads).unsqueeze(1)  # (R, 1, B, T, H)
-        return score if self.scores is None else torch.cat([self.scores, score], dim=1)
+        if not self.static:  # phase 1: routers 0..reads-1 have read already; the others take their row
+            self.scores.append([None] * self.reads + list(Score.apply(s, self.queries[self.reads:], self.heads)))
 
     def read(self, router):
         if router is None:
             return self.x
         assert router is self.routers[self.reads], "routers must be read in the model's order"
+        j, self.reads = self.reads, self.reads + 1
         sources = self.sources()
         partial = sources[len(self.blocks):]  # [p] when the partial sum is routed, else []
         if self.static:  # one logit per source, the same for every token
             logits = upcast(router.logits).view(self.heads, -1).t()[:, None, None, :]  # (n, 1, 1, H)
-            logits = logits.expand(-1, *sources[0].shape[:2], -1)                        # (n, B, T, H)
-        else:
-            scores = self.with_scores_of(partial[0]) if partial else self.scores
-            logits = scores[self.reads]                         # (n, B, T, H)
-        self.reads += 1
+            logits, query = logits.expand(-1, *sources[0].shape[:2], -1), None          # (n, B, T, H)
+        else:  # the blocks' logits from phase 1; the partial's, if routed, RouteRead computes (phase 2)
+            logits, query = torch.stack([scores[j] for scores in self.scores]), self.queries[j] if partial else None
         base = self.x if self.keeps_stream else None
         if len(sources) == 1:  # alpha = 1 whatever the logit: the read is the source itself
             alpha = torch.ones_like(logits).movedim(0, -1)  # (B, T, H, 1)
             u = sources[0] if base is None else base + sources[0]
         else:
             hand_on = not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
-            u, alpha, *handed_on = RouteRead.apply(hand_on, base, logits, *self.handed_on, *partial)
+            u, alpha, *handed_on = RouteRead.apply(hand_on, base, logits, query, *self.handed_on, *partial)
             alpha = alpha.movedim(0, -1)
             if handed_on:
                 self.handed_on = handed_on[:len(self.blocks)]  # a partial is read once: not handed on
@@ -703,24 +700,33 @@ class FastStream(Stream):
 
 
 class RouteRead(torch.autograd.Function):
-    """base + sum_i alpha_i s_i with alpha = softmax_i(logits), logits (n, B, T, H); base None or x (B, T, D).
-    With H heads, alpha_i's head h weighs channel group h of s_i (H = 1: all channels).
+    """base + sum_i alpha_i s_i with alpha = softmax_i(logits); base None or x (B, T, D). logits (n, B, T, H)
+    holds every source's logit, or, with a query q (D,), every source's but the last, a partial sum p, which
+    is scored here: (q . p) / rms(p) per head (phase 2). With H heads, alpha_i's head h weighs channel
+    group h of s_i (H = 1: all channels).
 
     Forward and backward loop over the sources in place instead of stacking copies of them, and only
-    references to the sources (alive anyway) and alpha (n, B, T) are saved: activation memory stays
+    references to the sources (alive anyway) and alpha (n, B, T, H) are saved: activation memory stays
     linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
 
-    With hand_on, each source is also returned, as an alias, for the next router, its only consumer: the
-    gradient that comes back for an alias is the sum of the later routers' alpha_i * g (a tensor only this
-    chain holds), and this router adds its own share into it in place. So each source's routing gradient
-    is one tensor accumulated along the chain of routers: one multiply-add pass per (router, source) pair,
-    where autograd would make a new product tensor and then add it. Under torch.compile (hand_on=False)
-    the aliases are left out and autograd sums as usual.
+    With hand_on, each source but a scored partial is also returned, as an alias, for the next router, its
+    only consumer: the gradient that comes back for an alias is the sum of the later routers' alpha_i * g
+    (a tensor only this chain holds), and this router adds its own share into it in place. So each
+    source's routing gradient is one tensor accumulated along the chain of routers: one multiply-add pass
+    per (router, source) pair, where autograd would make a new product tensor and then add it. Under
+    torch.compile (hand_on=False) the aliases are left out and autograd sums as usual.
     """
 
     @staticmethod
-    def forward(ctx, hand_on, base, logits, *sources):
+    def forward(ctx, hand_on, base, logits, query, *sources):
         H = logits.size(-1)
+        scored = ()
+        if query is not None:  # phase 2: the partial p (the last source) scored against this router's query
+            q = query.view(H, -1)                                      # (H, D/H): head h's query q_h
+            r = inv_rms(sources[-1]).unsqueeze(-1)                     # 1 / rms(p), (B, T, 1)
+            logit = (upcast(sources[-1]).unflatten(-1, (H, -1)) * q).sum(-1).mul_(r)  # (B, T, H)
+            logits = torch.cat([logits, logit.unsqueeze(0)])
+            scored = (q, r, logit)
         alpha = logits.softmax(dim=0)             # (n, B, T, H); over a leading dim: PyTorch's faster kernel for small n
         a = alpha.unsqueeze(-1).unbind(0)         # n views alpha_i, (B, T, H, 1)
         s0 = upcast(sources[0]).unflatten(-1, (H, -1))  # (B, T, H, D/H): head h reads channel group h
@@ -728,20 +734,24 @@ class RouteRead(torch.autograd.Function):
         for a_i, s in zip(a[1:], sources[1:]):
             read.addcmul_(a_i, s.unflatten(-1, (H, -1)))
         read = read.flatten(-2)
-        ctx.save_for_backward(alpha, *sources)
+        ctx.save_for_backward(alpha, *scored, *sources)
         ctx.mark_non_differentiable(alpha)
         ctx.set_materialize_grads(False)
+        ctx.scored = bool(scored)
         dtype = sources[0].dtype if base is None else torch.promote_types(base.dtype, sources[0].dtype)
+        handed_on = sources[:-1] if scored else sources
         # a source returned as it is comes out as an alias of it (autograd makes the view)
-        return (read if read.dtype == dtype else read.to(dtype), alpha, *(sources if hand_on else ()))
+        return (read if read.dtype == dtype else read.to(dtype), alpha, *(handed_on if hand_on else ()))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _, *handed_on_grads):
         alpha, *sources = ctx.saved_tensors
-        later = handed_on_grads or [None] * len(sources)  # the later routers' gradients (none without hand_on)
+        q, r, logit = sources[:3] if ctx.scored else (None,) * 3
+        sources = sources[3:] if ctx.scored else sources
+        later = list(handed_on_grads) + [None] * (len(sources) - len(handed_on_grads))  # later routers' gradients
         if grad is None:  # the read itself was not used: only the handed-on gradients pass through
-            return (None, None, None, *later)
+            return (None, None, None, None, *later)
         g_base = grad if ctx.needs_input_grad[1] else None
         H = alpha.size(-1)
         g = upcast(grad).unflatten(-1, (H, -1))   # (B, T, H, D/H)
@@ -750,58 +760,68 @@ class RouteRead(torch.autograd.Function):
         for g_alpha_i, s in zip(g_alpha.unbind(0), sources):
             torch.sum(torch.mul(g, s.unflatten(-1, (H, -1)), out=prod), dim=-1, out=g_alpha_i)
         g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(0))  # softmax backward
-        g_sources = []
+        g_sources, g_query = [], None
         for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(0), sources, later):
             # the later routers' gradient is a dense tensor of this chain's own: add this router's share in place
             if g_later is None:
-                g_sources.append((a_i * g).flatten(-2).to(s.dtype))
+                g_sources.append(a_i * g)             # float32 (B, T, H, D/H)
             else:
-                g_later.unflatten(-1, (H, -1)).addcmul_(a_i, g)
-                g_sources.append(g_later)
-        return (None, g_base, g_logits, *g_sources)
+                g_sources.append(g_later.unflatten(-1, (H, -1)).addcmul_(a_i, g))
+        if ctx.scored:  # the partial's logit r (q_h . p_h) also depends on p through r: dr/dp = -r^3 p / D
+            p, g_logit = upcast(sources[-1]), g_logits[-1]
+            g_r = (g_logit * r).unsqueeze(-1)                                      # (B, T, H, 1)
+            c = (g_logit * logit).sum(-1, keepdim=True).mul_(r.square()).div_(p.size(-1))  # (B, T, 1)
+            g_sources[-1].addcmul_(g_r, q).flatten(-2).addcmul_(c, p, value=-1)   # += g_r q_h - c p
+            g_query = (g_r * p.unflatten(-1, (H, -1))).sum((0, 1)).flatten()      # (D,)
+            g_logits = g_logits[:-1]
+        g_sources = [g_s.flatten(-2).to(s.dtype) for g_s, s in zip(g_sources, sources)]
+        return (None, g_base, g_logits, g_query, *g_sources)
 
 
 class Score(torch.autograd.Function):
-    """A source's routing logits for every router at once: score = (Q @ s^T) * r with r = 1/rms(s),
-    (R, D) x (B, T, D) -> (R, B, T) in float32, for the folded queries Q. With H heads each channel group h
-    scores apart, (Q[:, h] @ s[h]^T) * r, giving (R, B, T, H) (H = 1: (R, B, T, 1)); r is over the full width.
-    One matmul per source and head instead of a dot product per (source, router), and one autograd node
-    with the backward written out:
-        dL/ds[h] = (g_h * r)^T @ Q[:, h] - c * s[h],   c = r^2 * sum_{j,h} g_jh score_jh / D   (dr/ds = -r^3 s / D)
-        dL/dQ[:, h] = (g_h * r) @ s[h]
+    """Phase 1: a block s's logits for R routers at once, s (B, T, D) against their folded queries Q (R, D):
+        score_j[h] = (Q[j, h] . s[h]) / rms(s)     for each channel group h, rms over the full width
+    returned as R tensors (B, T, H), one per router (H = 1: (Q[j] . s) / rms(s)). Float32 (float64 for a
+    float64 model), also under autocast; one batched matmul over the heads. The backward, written out
+    (dr/ds = -r^3 s / D for r = 1 / rms(s)):
+        dL/ds[h] = sum_j (g_jh * r) Q[j, h] - c * s[h],   c = r^2 * sum_{j,h} g_jh score_jh / D
+        dL/dQ[j, h] = sum over tokens of (g_jh * r) s[h]
     A bf16 source is saved as it is, not again as a float32 copy.
     """
 
     @staticmethod
     def forward(ctx, s, Q, heads):
-        D = s.size(-1)
+        D, R = s.size(-1), Q.size(0)
         with float32_only(s):
-            norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, Q.dtype))  # |s|, (B, T)
-            r = norm.square_().div_(D).add_(ROUTE_EPS).rsqrt_()                # 1 / rms(s), (B, T)
-            groups = zip(Q.split(D // heads, -1), upcast(s).view(-1, D).split(D // heads, -1))
-            score = torch.stack([Q_h @ s_h.t() for Q_h, s_h in groups], dim=-1)  # (R, B*T, H)
-            score = score.view(-1, *r.shape, heads).mul_(r.unsqueeze(-1))       # (R, B, T, H)
-        ctx.save_for_backward(s, Q, r, score)
-        return score
+            r = inv_rms(s).view(-1)                                         # 1 / rms(s), (B*T,)
+            s_h = upcast(s).view(-1, heads, D // heads).transpose(0, 1)     # (H, B*T, D/H)
+            Q_h = Q.view(R, heads, D // heads).permute(1, 2, 0)             # (H, D/H, R)
+            scores = torch.bmm(s_h, Q_h).mul_(r.view(1, -1, 1))             # (H, B*T, R)
+        ctx.save_for_backward(s, Q, scores, r)
+        ctx.set_materialize_grads(False)
+        return tuple(scores.permute(2, 1, 0).unflatten(1, s.shape[:-1]))   # R views (B, T, H)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g, *_):
-        s, Q, r, score = ctx.saved_tensors
-        D, heads = s.size(-1), score.size(-1)
+    def backward(ctx, *grads):
+        s, Q, scores, r = ctx.saved_tensors
+        (H, _, R), D = scores.shape, s.size(-1)
+        zero = scores.new_zeros(scores.shape[:2])                           # a router that read nothing, (H, B*T)
+        g = torch.stack([zero if g is None else g.flatten(0, 1).t() for g in grads], dim=-1)  # (H, B*T, R)
         with float32_only(s):
-            gr = g * r.unsqueeze(-1)                                           # (R, B, T, H)
-            c = (gr * score).sum(-1).sum(0).mul_(r).div_(D)                    # over heads, then routers: (B, T)
+            gr = g.mul_(r.view(1, -1, 1))                                   # g * r, (H, B*T, R)
+            c = (gr * scores).sum((0, 2)).mul_(r).div_(D)                   # (B*T,)
             s32 = upcast(s).view(-1, D)
-            gr = gr.view(gr.size(0), -1, heads).unbind(-1)                     # H of (R, B*T)
-            Q_h, s_h = Q.split(D // heads, -1), s32.split(D // heads, -1)
-            g_s, g_Q = None, None
-            if ctx.needs_input_grad[0]:
-                g_s = torch.cat([gr_h.t() @ q for gr_h, q in zip(gr, Q_h)], dim=-1)  # (B*T, D)
-                g_s = g_s.view(s.shape).addcmul_(c.unsqueeze(-1), s32.view(s.shape), value=-1).to(s.dtype)
-            if ctx.needs_input_grad[1]:
-                g_Q = torch.cat([gr_h @ x for gr_h, x in zip(gr, s_h)], dim=-1)     # (R, D)
-        return g_s, g_Q, None
+            g_s = torch.bmm(gr, Q.view(R, H, D // H).transpose(0, 1))       # (H, B*T, D/H)
+            g_s = g_s.transpose(0, 1).reshape(s32.shape).addcmul_(c.unsqueeze(-1), s32, value=-1)
+            g_Q = torch.bmm(gr.transpose(1, 2), s32.view(-1, H, D // H).transpose(0, 1))  # (H, R, D/H)
+        return g_s.view(s.shape).to(s.dtype), g_Q.transpose(0, 1).reshape(R, D), None
+
+
+def inv_rms(s):
+    """1 / rms(s) over the last dim, (B, T), in float32 (float64 for a float64 s): one pass over s."""
+    norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))
+    return norm.square_().div_(s.size(-1)).add_(ROUTE_EPS).rsqrt_()
 
 
 def float32_only(t):

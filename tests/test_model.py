@@ -164,24 +164,35 @@ def test_router_is_its_formula():
 
 
 def test_one_head_router_is_the_single_head_formula_to_the_last_bit():
-    """H = 1 computes the single-head router with the same operations as before heads existed: equal bits,
-    on the plain path (Router) and the fast path (Score, RouteRead)."""
+    """H = 1 computes the single-head router with the same operations as before heads existed: equal bits on
+    the plain path (Router); on the fast path RouteRead's read is the same loop of multiply-adds."""
     router, sources = router_inputs(n=4, D=16, dtype=torch.float32)
     read, alpha = router(sources)
     s = torch.stack(sources, dim=-2)
     ref_alpha = (F.rms_norm(s, (16,), router.norm.weight, 1e-6) @ router.query).softmax(-1)
     assert torch.equal(alpha, ref_alpha) and torch.equal(read, (ref_alpha.unsqueeze(-1) * s).sum(-2))
-    Q = folded_queries([router])
-    r = (torch.linalg.vector_norm(sources[1], dim=-1).square() / 16 + 1e-6).rsqrt()
-    score = (Q @ sources[1].view(-1, 16).t()).view(1, 2, 3) * r
-    assert torch.equal(Score.apply(sources[1], Q, 1)[..., 0], score)
-    logits = fast_logits(Q, sources)[..., 0]  # (n, B, T)
-    fast_read, fast_alpha = RouteRead.apply(False, None, logits.unsqueeze(-1), *sources)
+    logits = fast_logits(folded_queries([router]), sources)[..., 0]  # (n, B, T)
+    fast_read, fast_alpha = RouteRead.apply(False, None, logits.unsqueeze(-1), None, *sources)
     a = logits.softmax(0).unsqueeze(-1)
     ref_read = a[0] * sources[0]
     for a_i, s_i in zip(a[1:], sources[1:]):
         ref_read.addcmul_(a_i, s_i)
     assert torch.equal(fast_alpha[..., 0], logits.softmax(0)) and torch.equal(fast_read, ref_read)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_score_is_its_formula(heads):
+    """Score (phase 1): block s's logit for each of R routers, (Q[j, h] . s[h]) / rms(s) per channel group h,
+    the rms over the full width; RouteRead scores a partial against one query the same way (phase 2)."""
+    _, sources = router_inputs(n=2, D=16)
+    Q = torch.randn(3, 16, dtype=torch.float64)
+    r = (sources[0].square().mean(-1) + 1e-6).rsqrt()
+    ref = torch.stack([torch.stack([(sources[0][..., g] * Q[j, g]).sum(-1) * r for g in torch.arange(16).chunk(heads)], -1)
+                       for j in range(3)])  # (R, B, T, H)
+    torch.testing.assert_close(torch.stack(Score.apply(sources[0], Q, heads)), ref)
+    logits = torch.randn(1, 2, 3, heads, dtype=torch.float64)
+    _, alpha = RouteRead.apply(False, None, logits, Q[1], sources[1], sources[0])
+    torch.testing.assert_close(alpha, torch.cat([logits, ref[1:2]]).softmax(0))
 
 
 @pytest.mark.parametrize("heads", [2, 4])
@@ -203,7 +214,8 @@ def test_head_scores_sum_to_the_one_head_score(heads):
     """The keys are normed over the full width, so a source's H head scores add up to its one-head score."""
     _, sources = router_inputs(n=1, D=8)
     Q = torch.randn(3, 8, dtype=torch.float64)
-    torch.testing.assert_close(Score.apply(sources[0], Q, heads).sum(-1), Score.apply(sources[0], Q, 1)[..., 0])
+    torch.testing.assert_close(torch.stack(Score.apply(sources[0], Q, heads)).sum(-1),
+                               torch.stack(Score.apply(sources[0], Q, 1))[..., 0])
 
 
 @pytest.mark.parametrize("heads", [1, 4])
@@ -291,8 +303,8 @@ def test_delta_block_with_N_equal_S_is_delta():
 # ---------------------------------------------------------------- the fast path computes the plain path's numbers
 
 def fast_logits(Q, sources, heads=1):
-    """The logits the fast stream hands RouteRead: each source's Score against one folded query Q (1, D)."""
-    return torch.stack([Score.apply(s, Q, heads)[0] for s in sources])  # (n, B, T, H)
+    """Each source's phase-1 logits for one router, Score against its folded query Q (1, D): (n, B, T, H)."""
+    return torch.stack([Score.apply(s, Q, heads)[0] for s in sources])
 
 
 @pytest.mark.parametrize("heads", [1, 2, 4])
@@ -300,39 +312,49 @@ def test_score_gradcheck(heads):
     router, sources = router_inputs()
     Q = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)  # three routers' folded queries
     assert torch.autograd.gradcheck(lambda s, Q: Score.apply(s, Q, heads), (sources[0], Q))
+    # a router that did not read the block: its gradient is None
+    assert torch.autograd.gradcheck(lambda s, Q: Score.apply(s, Q, heads)[1] * 2, (sources[0], Q))
 
 
 @pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("additive", [False, True])
-def test_route_read_gradcheck(additive, heads):
+@pytest.mark.parametrize("partial", [False, True])
+def test_route_read_gradcheck(partial, additive, heads):
+    """RouteRead's written-out backward, float64 gradcheck; with a query its last source is a partial sum it
+    scores itself (phase 2), so the gradient also reaches the query and the partial through its logit."""
     _, sources = router_inputs(n=4)
-    logits = torch.randn(4, 2, 3, heads, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(3 if partial else 4, 2, 3, heads, dtype=torch.float64, requires_grad=True)
     base = torch.randn_like(sources[0]).requires_grad_() if additive else None
-    assert torch.autograd.gradcheck(lambda *a: RouteRead.apply(False, *a)[0], (base, logits, *sources))
+    query = torch.randn(8, dtype=torch.float64, requires_grad=True) if partial else None
+    assert torch.autograd.gradcheck(lambda *a: RouteRead.apply(False, *a)[0], (base, logits, query, *sources))
 
 
 @pytest.mark.parametrize("heads", [1, 2])
 def test_handed_on_chain_gradcheck(heads):
     """Three routers in a row, each handing its sources on as aliases to the next, which adds its share
-    into their gradient in place; the last also reads a new source. Float64 gradcheck of the chain."""
-    _, sources = router_inputs(n=3)
+    into their gradient in place; the second also scores a partial sum, the last reads a new source.
+    Float64 gradcheck of the chain."""
+    _, sources = router_inputs(n=4)
     logits = [torch.randn(n, 2, 3, heads, dtype=torch.float64, requires_grad=True) for n in (2, 2, 3)]
+    query = torch.randn(8, dtype=torch.float64, requires_grad=True)
 
-    def chain(l1, l2, l3, s1, s2, s3):
-        r1, _, *h = RouteRead.apply(True, None, l1, s1, s2)
-        r2, _, *h = RouteRead.apply(True, s1, l2, *h)
-        r3, _, *_ = RouteRead.apply(True, None, l3, *h, s3)
+    def chain(l1, l2, l3, q, s1, s2, s3, p):
+        r1, _, *h = RouteRead.apply(True, None, l1, None, s1, s2)
+        r2, _, *h = RouteRead.apply(True, s1, l2, q, *h, p)
+        r3, _, *_ = RouteRead.apply(True, None, l3, None, *h, s3)
         return r1 * 0.5 + r2 * torch.cos(r2) + r3 * r1
 
-    assert torch.autograd.gradcheck(chain, (*logits, *sources))
+    assert torch.autograd.gradcheck(chain, (*logits, query, *sources))
 
 
 @pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("additive", [False, True])
+@pytest.mark.parametrize("partial", [False, True])
 @pytest.mark.parametrize("n", [2, 5])
-def test_score_and_route_read_equal_router(n, additive, heads):
-    """Score against the folded query, then RouteRead (the read added onto a base x when additive), gives
-    Router's read and alpha, and the same gradients for the query, the gain, the sources and x."""
+def test_score_and_route_read_equal_router(n, partial, additive, heads):
+    """Score against the folded query, then RouteRead (the read added onto a base x when additive; with a
+    partial, the last source scored by RouteRead itself), gives Router's read and alpha, and the same
+    gradients for the query, the gain, the sources and x."""
     router, sources = router_inputs(n=n, D=16, heads=heads)
     base = torch.randn_like(sources[0]).requires_grad_() if additive else None
     wrt = [router.query, router.norm.weight, *sources] + ([base] if additive else [])
@@ -340,7 +362,9 @@ def test_score_and_route_read_equal_router(n, additive, heads):
     def grads(read):
         return torch.autograd.grad((read * torch.cos(read)).sum(), wrt)
 
-    read, alpha, *_ = RouteRead.apply(False, base, fast_logits(folded_queries([router]), sources, heads), *sources)
+    Q = folded_queries([router])
+    scored = sources[:-1] if partial else sources
+    read, alpha, *_ = RouteRead.apply(False, base, fast_logits(Q, scored, heads), Q[0] if partial else None, *sources)
     ref, alpha_ref = router(sources)
     ref = ref if base is None else base + ref
     torch.testing.assert_close(read, ref)
@@ -436,13 +460,14 @@ def test_logits_and_softmax_in_float32_under_autocast(fast):
 
 
 def test_fast_pieces_under_bf16_autocast_match_float64():
-    """Mixed sources (an fp32 embedding, bf16 sublayer outputs) under bf16 autocast: Score and RouteRead's
-    outputs and gradients match the float64 Router to bf16 rounding, and alpha is float32 (computed, not
-    cast, in float32)."""
+    """Mixed sources (an fp32 embedding, bf16 sublayer outputs, the last a partial sum that RouteRead scores)
+    under bf16 autocast: Score and RouteRead's outputs and gradients match the float64 Router to bf16
+    rounding, and alpha is float32 (computed, not cast, in float32)."""
     router, sources = router_inputs(n=4, B=2, T=5, D=32, dtype=torch.float32)
     mixed = [sources[0]] + [s.detach().bfloat16().requires_grad_() for s in sources[1:]]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        read, alpha, *_ = RouteRead.apply(False, None, fast_logits(folded_queries([router]), mixed), *mixed)
+        Q = folded_queries([router])
+        read, alpha, *_ = RouteRead.apply(False, None, fast_logits(Q, mixed[:-1]), Q[0], *mixed)
     assert alpha.dtype == torch.float32
     (read.float() * torch.linspace(-1, 1, 32)).sum().backward()
     ref = Router(32).double()
