@@ -757,16 +757,13 @@ class RouteRead(torch.autograd.Function):
         g = upcast(grad).unflatten(-1, (H, -1))   # (B, T, H, D/H)
         g_alpha = torch.empty_like(alpha)         # g . s_i per head, (n, B, T, H)
         prod = torch.empty_like(g)                # one buffer for the products g * s_i
-        for g_alpha_i, s in zip(g_alpha.unbind(0), sources):
+        g_sources = []
+        for a_i, g_alpha_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(0), g_alpha.unbind(0), sources, later):
             torch.sum(torch.mul(g, s.unflatten(-1, (H, -1)), out=prod), dim=-1, out=g_alpha_i)
-        g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(0))  # softmax backward
-        g_sources, g_query = [], None
-        for a_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(0), sources, later):
             # the later routers' gradient is a dense tensor of this chain's own: add this router's share in place
-            if g_later is None:
-                g_sources.append(a_i * g)             # float32 (B, T, H, D/H)
-            else:
-                g_sources.append(g_later.unflatten(-1, (H, -1)).addcmul_(a_i, g))
+            g_sources.append(a_i * g if g_later is None else g_later.unflatten(-1, (H, -1)).addcmul_(a_i, g))
+        g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(0))  # softmax backward
+        g_query = None
         if ctx.scored:  # the partial's logit r (q_h . p_h) also depends on p through r: dr/dp = -r^3 p / D
             p, g_logit = upcast(sources[-1]), g_logits[-1]
             g_r = (g_logit * r).unsqueeze(-1)                                      # (B, T, H, 1)
@@ -794,27 +791,29 @@ class Score(torch.autograd.Function):
         D, R = s.size(-1), Q.size(0)
         with float32_only(s):
             r = inv_rms(s).view(-1)                                         # 1 / rms(s), (B*T,)
-            s_h = upcast(s).view(-1, heads, D // heads).transpose(0, 1)     # (H, B*T, D/H)
-            Q_h = Q.view(R, heads, D // heads).permute(1, 2, 0)             # (H, D/H, R)
-            scores = torch.bmm(s_h, Q_h).mul_(r.view(1, -1, 1))             # (H, B*T, R)
+            s_h = upcast(s).view(-1, heads, D // heads).permute(1, 2, 0)    # (H, D/H, B*T)
+            Q_h = Q.view(R, heads, D // heads).transpose(0, 1)              # (H, R, D/H)
+            scores = torch.bmm(Q_h, s_h).mul_(r)                            # (H, R, B*T)
+            scores = scores.permute(1, 2, 0).contiguous()                   # (R, B*T, H): each router's rows together
         ctx.save_for_backward(s, Q, scores, r)
         ctx.set_materialize_grads(False)
-        return tuple(scores.permute(2, 1, 0).unflatten(1, s.shape[:-1]))   # R views (B, T, H)
+        return tuple(scores.unflatten(1, s.shape[:-1]))                     # R tensors (B, T, H)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         s, Q, scores, r = ctx.saved_tensors
-        (H, _, R), D = scores.shape, s.size(-1)
-        zero = scores.new_zeros(scores.shape[:2])                           # a router that read nothing, (H, B*T)
-        g = torch.stack([zero if g is None else g.flatten(0, 1).t() for g in grads], dim=-1)  # (H, B*T, R)
+        (R, _, H), D = scores.shape, s.size(-1)
+        zero = scores.new_zeros(scores.shape[1:])                           # a router that read nothing, (B*T, H)
+        g = torch.stack([zero if g is None else g.flatten(0, 1) for g in grads])  # (R, B*T, H)
         with float32_only(s):
-            gr = g.mul_(r.view(1, -1, 1))                                   # g * r, (H, B*T, R)
+            gr = g.mul_(r.unsqueeze(-1))                                    # g * r
             c = (gr * scores).sum((0, 2)).mul_(r).div_(D)                   # (B*T,)
             s32 = upcast(s).view(-1, D)
-            g_s = torch.bmm(gr, Q.view(R, H, D // H).transpose(0, 1))       # (H, B*T, D/H)
+            gr = gr.permute(2, 0, 1)                                        # (H, R, B*T)
+            g_s = torch.bmm(gr.transpose(1, 2), Q.view(R, H, D // H).transpose(0, 1))  # (H, B*T, D/H)
             g_s = g_s.transpose(0, 1).reshape(s32.shape).addcmul_(c.unsqueeze(-1), s32, value=-1)
-            g_Q = torch.bmm(gr.transpose(1, 2), s32.view(-1, H, D // H).transpose(0, 1))  # (H, R, D/H)
+            g_Q = torch.bmm(gr, s32.view(-1, H, D // H).transpose(0, 1))    # (H, R, D/H)
         return g_s.view(s.shape).to(s.dtype), g_Q.transpose(0, 1).reshape(R, D), None
 
 

@@ -2,8 +2,10 @@
 Side-by-side benchmark of the residual modes: forward+backward tokens/s, bytes of tensors saved for
 backward (activation memory), and parameter count, each with its ratio to baseline, in one run.
 
-    python cli.py bench                          # both configs below, all modes
+    python cli.py bench                          # the cpu and d768 configs below, all modes
     python cli.py bench --config cpu --iters 20  # one config
+    python cli.py bench --config w128 --threads 1 --residual baseline,attnres,attnres-h4   # the studies' shape
+    python cli.py bench --config w128 --threads 1 --profile   # where each mode's step goes (workbench/profile.py)
     python -m workbench.bench ...                # the same without the CLI
     python cli.py bench --device cuda            # GPU: d768, context 1024, bf16, eager and compiled
 
@@ -13,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -21,14 +24,18 @@ import torch
 
 from delta_gpt import GPT, GPTConfig, RESIDUALS
 from errors import DeltaGPTError
-from plumbing.config import parse_mode
+from plumbing.config import ConfigError, at_least_one, parse_mode
 from plumbing.system import keep_freed_memory
+from workbench.profile import profile_modes, profile_table
 
-# name -> (model config, batch size), fp32 eager on the CPU: the cpu preset's model (character vocabulary) and GPT-2 small
+# name -> (model config, batch size), fp32 eager on the CPU: the cpu preset's model (character vocabulary), the
+# shape of the width-128 studies (studies/heads-w128.toml: the cpu preset 16 layers deep) and GPT-2 small
 CONFIGS = {
     "cpu": (GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0), 12),
+    "w128": (GPTConfig(n_layer=16, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0), 12),
     "d768": (GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=128, dropout=0.0), 4),
 }
+ALL = ("cpu", "d768")  # --config all: the two configs every speed table shows
 # name -> (model config, default batch size), bf16 autocast on CUDA: GPT-2 small at context 1024
 CUDA_CONFIGS = {
     "d768": (GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.0), 16),
@@ -76,7 +83,10 @@ def step(model, idx):
 
 def bench(config, batch, modes=RESIDUALS, iters=None, rounds=15, memory_layers=(), seed=0, round_s=1.0, **route):
     """Rows of {mode, params, saved, tok_s, ...} for one config, ratios to the first mode (baseline).
-    iters: steps per timing round (default: about round_s seconds of the first mode's steps)."""
+    Each round times `iters` steps of every mode in turn, in CPU time (the process's, all its threads), which
+    time-sharing with other jobs does not inflate. tok_s is the best round's; tok_s_x its ratio to the baseline's
+    best round; paired_x the median over rounds of the baseline's time in that round over the mode's, the
+    steadier figure on a shared machine (docs/speed.md). iters: default about round_s seconds of the first mode."""
     torch.manual_seed(seed)
     idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
     models = {m: make(config, m, **route) for m in modes}
@@ -88,17 +98,19 @@ def bench(config, batch, modes=RESIDUALS, iters=None, rounds=15, memory_layers=(
     for m in modes:  # warm-up
         step(models[m], idx)
     if iters is None:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         step(models[modes[0]], idx)
-        iters = max(1, round(round_s / (time.perf_counter() - t0)))
+        iters = max(1, round(round_s / max(time.process_time() - t0, 1e-6)))
     for _ in range(rounds):
         for m in modes:
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             for _ in range(iters):
                 step(models[m], idx)
-            rows[m]["times"].append((time.perf_counter() - t0) / iters)
+            rows[m]["times"].append((time.process_time() - t0) / iters)
+    base_times = rows[modes[0]]["times"]
     for r in rows.values():
-        r["tok_s"] = batch * config.block_size / min(r.pop("times"))
+        r["tok_s"] = batch * config.block_size / min(r["times"])
+        r["paired_x"] = statistics.median(b / t for b, t in zip(base_times, r.pop("times")))
     base = rows[modes[0]]
     for r in rows.values():
         for key in [k for k in r if k in ("params", "tok_s") or k.startswith("saved")]:
@@ -108,13 +120,13 @@ def bench(config, batch, modes=RESIDUALS, iters=None, rounds=15, memory_layers=(
 
 def speed_table(rows, memory_layers=()):
     """The rows as a Markdown table."""
-    head = ["mode", "params", "x", "saved MB", "x", "tokens/s", "x"]
+    head = ["mode", "params", "x", "saved MB", "x", "tokens/s", "x", "x median"]
     for n_layer in memory_layers:
         head += [f"saved MB L{n_layer}", "x"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["mode"], f"{r['params']:,}", f"{r['params_x']:.4f}", f"{r['saved'] / 2**20:.1f}",
-                 f"{r['saved_x']:.3f}", f"{r['tok_s']:,.0f}", f"{r['tok_s_x']:.3f}"]
+                 f"{r['saved_x']:.3f}", f"{r['tok_s']:,.0f}", f"{r['tok_s_x']:.3f}", f"{r['paired_x']:.3f}"]
         for n_layer in memory_layers:
             cells += [f"{r[f'saved_L{n_layer}'] / 2**20:.1f}", f"{r[f'saved_L{n_layer}_x']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -224,8 +236,11 @@ def check_args(args):
     modes = [m for m in args.residual.split(",") if m]
     for mode in modes or [""]:
         parse_mode(mode)
-    if (args.iters is not None and args.iters < 1) or (args.rounds is not None and args.rounds < 1):
-        raise BenchError("--iters and --rounds must be at least 1")
+    try:
+        at_least_one(**{name: getattr(args, name) for name in ("iters", "rounds", "n_layer", "n_embd", "threads", "steps")
+                        if getattr(args, name) is not None})
+    except ConfigError as e:
+        raise BenchError(str(e)) from None
     if args.malloc not in ("keep", "default"):
         raise BenchError(f"unknown --malloc {args.malloc!r}; choose keep or default")
     if args.device not in ("cpu", "cuda"):
@@ -233,10 +248,12 @@ def check_args(args):
     if args.device == "cpu":
         if args.config not in (*CONFIGS, "all"):
             raise BenchError(f"unknown --config {args.config!r}; choose one of {', '.join(CONFIGS)} or all")
+        if args.steps is not None and not args.profile:
+            raise BenchError("--steps sets how many steps --profile records; give --profile too, or leave --steps out")
         if args.batch_size is not None or args.variants is not None or args.json is not None:
             raise BenchError("--batch-size, --variants and --json apply to --device cuda only; the CPU configs "
                              "fix their batch")
-        for name in CONFIGS if args.config == "all" else [args.config]:
+        for name in ALL if args.config == "all" else [args.config]:
             try:
                 config, _ = cpu_config(name, args)
             except ValueError as e:
@@ -247,8 +264,8 @@ def check_args(args):
                 except ValueError as e:
                     raise BenchError(f"--config {name}, mode {mode}: {e}") from None
         return
-    if args.n_layer is not None or args.n_embd is not None:
-        raise BenchError("--n-layer and --n-embd apply to the CPU configs only")
+    if args.n_layer is not None or args.n_embd is not None or args.profile:
+        raise BenchError("--n-layer, --n-embd and --profile apply to the CPU configs only")
     if not torch.cuda.is_available():
         raise BenchError(f"--device cuda needs a CUDA GPU, and this PyTorch ({torch.__version__}) sees none; "
                          f"run the CPU benchmark without --device, or install a CUDA build of PyTorch (docs/gpus.md)")
@@ -290,15 +307,19 @@ def parser(prog=None):
     """bench's options (python -m workbench.bench and python cli.py bench both parse with it)."""
     ap = argparse.ArgumentParser(prog=prog or "python -m workbench.bench", description=__doc__.split("\n\n")[1].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="all", help=f"{', '.join(CONFIGS)} or all (CPU); on CUDA: {', '.join(CUDA_CONFIGS)} "
+    ap.add_argument("--config", default="all", help=f"{', '.join(CONFIGS)} or all ({' and '.join(ALL)}) on the CPU; on CUDA: {', '.join(CUDA_CONFIGS)} "
                     f"(context 1024) or all")
     ap.add_argument("--residual", default=",".join(RESIDUALS), help="comma-separated modes, baseline first; MODE-static: that mode's "
                     "static routing control (e.g. delta-static); then -hH: H routing heads (delta-h4, delta-static-h4)")
     ap.add_argument("--iters", type=int, default=None, help="steps per timing round (default: about a second's worth; 10 on CUDA)")
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds, interleaved over the modes on the CPU (the fastest is taken; default 15, 3 on CUDA)")
     ap.add_argument("--n-layer", type=int, default=None, help="CPU: the config at another depth (e.g. a study's)")
+    ap.add_argument("--profile", action="store_true", help="CPU: instead of timing, torch.profiler's breakdown of each "
+                    "mode's step: routing's share, forward and backward, by operation (workbench/profile.py)")
+    ap.add_argument("--steps", type=int, default=None, help="with --profile: steps recorded per mode (default 5)")
     ap.add_argument("--n-embd", type=int, default=None, help="CPU: the config at another width (a multiple of its heads)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice; 1 for figures "
+                    "that another job on the machine should not move)")
     ap.add_argument("--malloc", default="keep",
                     help="keep (the default): malloc keeps freed memory for reuse, as CPU training does; or default: the C "
                          "library's own behaviour")
@@ -322,7 +343,8 @@ def options_help():
 def cpu_config(name, args):
     """(GPTConfig, batch) of CPU config `name`, at --n-layer and --n-embd where given."""
     config, batch = CONFIGS[name]
-    return replace(config, n_layer=args.n_layer or config.n_layer, n_embd=args.n_embd or config.n_embd), batch
+    return replace(config, n_layer=config.n_layer if args.n_layer is None else args.n_layer,
+                   n_embd=config.n_embd if args.n_embd is None else args.n_embd), batch
 
 
 def main(argv=None, prog=None):
@@ -339,11 +361,19 @@ def main(argv=None, prog=None):
         return main_cuda(args, modes)
     rounds = args.rounds or 15
     malloc = "keeps freed memory" if args.malloc == "keep" and keep_freed_memory() else "default"
-    for name in CONFIGS if args.config == "all" else [args.config]:
+    for name in ALL if args.config == "all" else [args.config]:
         config, batch = cpu_config(name, args)
+        shape = (f"\n{name}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, "
+                 f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, malloc {malloc}")
+        if args.profile:
+            steps = args.steps or 5
+            print(f"{shape}, torch.profiler over {steps} steps of each mode, interleaved", flush=True)
+            torch.manual_seed(0)
+            idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
+            print(profile_table(profile_modes({m: make(config, m) for m in modes}, idx, steps)))
+            continue
+        print(f"{shape}, CPU time, {rounds} rounds (tokens/s: the best round; x median: of each round's ratio)", flush=True)
         memory_layers = (2 * config.n_layer,) if name == "d768" else ()
-        print(f"\n{name}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, "
-              f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, malloc {malloc}, best of {rounds} rounds")
         rows = bench(config, batch, modes, iters=args.iters, rounds=rounds, memory_layers=memory_layers)
         print(speed_table(rows, memory_layers))
 
