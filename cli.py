@@ -212,6 +212,7 @@ def compare(
     overwrite: bool = typer.Option(False, "--overwrite", help="train every run again, even finished ones in --out"),
     dry_run: bool = typer.Option(False, "--dry-run", help="check everything and print the plan and time estimate; train nothing"),
     jobs: int = typer.Option(1, "--jobs", help="runs trained at a time, each in its own process with cores / N threads (--threads to choose) and its output in train.log in its run directory"),
+    clock: str = typer.Option("wall", "--clock", help="what the equal-time column and the time plot read: wall, or cpu (each run's own CPU time, which other jobs on the machine do not inflate)"),
 ):
     """Train each variant and seed on the same batches, then tabulate val loss, the paired difference to the
     reference, routing sharpness and speed.
@@ -224,12 +225,14 @@ def compare(
     """
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs} must be at least 1 (the runs trained at a time)")
+    if clock not in ("wall", "cpu"):
+        raise ConfigError(f"unknown --clock {clock!r}; choose wall or cpu")
     from workbench import compare as C
     from plumbing.system import apply_process_settings
     plan = C.study_of(study, residual, seeds, ctx.args)
     apply_process_settings(C.process_config(plan))
     out = out or Path("runs") / plan.name
-    table = C.run_study(plan, out, overwrite, typer.echo, dry_run, jobs)
+    table = C.run_study(plan, out, overwrite, typer.echo, dry_run, jobs, clock)
     if table is not None:
         typer.echo(table)
         typer.echo(f"\nwrote {out / 'compare.md'} and {out / 'compare.json'}")

@@ -242,7 +242,7 @@ def train(cfg):
         # the optimizer: AdamW over the model's three groups, restored on resume with this run's settings
         optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                device.type, route_lr_mult=cfg.route_lr_mult)
-        elapsed = 0.0
+        elapsed, cpu_elapsed = 0.0, 0.0
         if ckpt is not None:
             load_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp, rank)
             for group in optimizer.param_groups:  # this run's settings, not the saved ones
@@ -251,7 +251,7 @@ def train(cfg):
             if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
                 scaler.load_state_dict(ckpt["scaler"])
             restore_rng(ckpt["rng"])
-            elapsed = ckpt.get("elapsed", 0.0)
+            elapsed, cpu_elapsed = ckpt.get("elapsed", 0.0), ckpt.get("cpu_elapsed", 0.0)
 
         # compile (default on CUDA), then DDP over several processes (FSDP's model is already sharded)
         raw_model = model  # the plain GPT: its state_dict, evaluation and statistics
@@ -263,6 +263,7 @@ def train(cfg):
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         start_step = iter_num if cfg.resume else 0  # a resumed run's checkpoint step was evaluated before it was saved
         t_start = time.time() - elapsed  # wall time counts on across resumes
+        cpu_start = time.process_time() - cpu_elapsed  # and this process's CPU time, which other jobs do not inflate
 
         def checkpoint(path):
             """The run's state now, written atomically by rank 0 (under FSDP every rank gathers it)."""
@@ -271,7 +272,8 @@ def train(cfg):
                 save_checkpoint(checkpoint_dict(model_state, raw_model.config, asdict(cfg), iter_num, best_val_loss,
                                                 dataset_info(ds.meta, cfg.dataset), optimizer=optim_state,
                                                 scaler=scaler.state_dict(), rng=rng_state(),
-                                                elapsed=time.time() - t_start, commit=record.commit), path)
+                                                elapsed=time.time() - t_start, cpu_elapsed=time.process_time() - cpu_start,
+                                                commit=record.commit), path)
 
         if cfg.eval_only:  # evaluate the model once, write nothing
             losses = evaluate_model(raw_model, ds, cfg, ctx, device)
@@ -304,7 +306,8 @@ def train(cfg):
                     losses = evaluate_model(raw_model, ds, cfg, ctx, device)
                     val_loss, sharpness = losses["val"], losses.get("routing", {}).get("mean_max_weight", math.nan)
                     record.log(kind="eval", step=iter_num, train_loss=losses["train"], val_loss=val_loss,
-                               elapsed=time.time() - t_start, routing=losses.get("routing"))
+                               elapsed=time.time() - t_start, cpu_s=time.process_time() - cpu_start,
+                               routing=losses.get("routing"))
                     bar.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}"
                               + (f", routing max weight {sharpness:.3f}" if math.isfinite(sharpness) else ""))
                     if val_loss < best_val_loss:  # (NaN sharpness: every router reads one source, N = 1)

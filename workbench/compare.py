@@ -153,10 +153,12 @@ def run_label(r):
     return f"{r.variant}{f' {S.value_label(r.value)}' if r.swept and r.value is not None else ''} seed {r.seed}"
 
 
-def run_summary(out_dir, seed):
+def run_summary(out_dir, seed, clock="wall"):
     """What the table needs of one finished run, read from its metrics.jsonl and config.json: the last
     evaluation's val loss and routing sharpness, the median training tokens/s, and the curve
-    [(step, val loss, elapsed seconds)]."""
+    [(step, val loss, elapsed seconds)], the seconds on `clock`: wall time, or the training process's CPU time
+    (runs trained before it was recorded have none)."""
+    when = "elapsed" if clock == "wall" else "cpu_s"
     rows = read_metrics(out_dir)
     evals = [r for r in rows if r["kind"] == "eval"]
     if not evals or not (Path(out_dir) / "config.json").exists():
@@ -169,9 +171,9 @@ def run_summary(out_dir, seed):
     return dict(seed=seed, val_loss=evals[-1]["val_loss"], tokens_per_s=speeds[len(speeds) // 2] if speeds else None,
                 max_weight=routing.get("mean_max_weight"), deep_max_weight=routing.get("deep_max_weight"),
                 entropy=routing.get("mean_entropy"), deep_entropy=routing.get("deep_entropy"),
-                steps=evals[-1]["step"], elapsed=evals[-1].get("elapsed"),
+                steps=evals[-1]["step"], elapsed=evals[-1].get(when),
                 params=json.loads((Path(out_dir) / "config.json").read_text())["params"],
-                curve=[(r["step"], r["val_loss"], r.get("elapsed")) for r in evals])
+                curve=[(r["step"], r["val_loss"], r.get(when)) for r in evals])
 
 
 def study_of(study_file=None, residual=None, seeds=None, argv=()):
@@ -195,11 +197,11 @@ def process_config(study):
     return T.make_config(study.preset, **{k: v for k, v in study.train.items() if k in O.PROCESS_FIELDS})
 
 
-def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
+def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, clock="wall"):
     """Train (or reuse, or resume) every run of the study, `jobs` at a time, then write OUT/compare.json (every
     run's numbers), compare.md (the table) and the pictures. Every setting, every existing run and the folder
     are checked and the plan printed before anything trains. Returns the table (Markdown), or None for a dry
-    run."""
+    run. clock: what "equal time" reads, wall time or each run's CPU time."""
     out = Path(out)
     runs = S.cross(study, out)
     S.claim_folder(study, out, overwrite, write=False)
@@ -219,11 +221,11 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
         echo("compare stopped: the finished runs are kept and the stopped ones checkpointed; run the same command "
              "again to go on (compare resumes them itself, without --resume)")
         raise
-    summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed))
+    summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed, clock))
                  for r in runs]
     option = study.sweep[0] if study.sweep else None
     rows = R.study_rows(summaries, study.reference, option)
-    table = R.study_table(rows, study.reference, option)
+    table = R.study_table(rows, study.reference, option, clock)
     pairs = R.pair_rows(summaries, study.pairs)
     if pairs:  # a pair's difference, seed by seed: a minus b on the same batches (the reference's, for both)
         table += "\n\n" + R.pair_table(pairs, option)
@@ -231,13 +233,13 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1):
                 out / "compare.json")
     best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)],
                         tuning=option not in O.ARCH_FIELDS)
-    notes = (best, R.study_notes(study.reference, pairs=bool(pairs)))
+    notes = (best, R.study_notes(study.reference, pairs=bool(pairs), clock=clock))
     (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in notes if t) + "\n")
     cfg = runs[0].cfg
     shape = f"width {cfg.n_embd}" + (f", {cfg.n_layer} layers" if option != "n_layer" else "")
     title = (f"{study.name}: preset {cfg.preset}, {cfg.dataset}, {shape}, {cfg.max_iters} steps, "
              f"seeds {', '.join(map(str, study.seeds))}")
-    for path in R.draw_study(rows, summaries, study.reference, option, out, title):
+    for path in R.draw_study(rows, summaries, study.reference, option, out, title, clock):
         echo(f"wrote {path}")
     return table + (f"\n\n{best}" if best else "")
 

@@ -148,10 +148,10 @@ def compare_rows(runs, reference="baseline"):
     return rows
 
 
-def draw_curves(curves, path, title=None):
+def draw_curves(curves, path, title=None, clock="wall"):
     """curves: {label: [[(step, val_loss, elapsed s or None), ...] per seed]} -> validation loss against step (the
     mean over seeds bold, each seed thin), the second half zoomed, and, where every point has its time, against
-    wall time. title: the figure's title (the caller names what was run: preset, dataset, seeds)."""
+    that time (clock: wall or CPU). title: the figure's title (the caller names what was run: preset, dataset, seeds)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no screen
     import matplotlib.pyplot as plt
@@ -162,9 +162,10 @@ def draw_curves(curves, path, title=None):
             for k, points in enumerate(seeds):
                 axes[2].plot([t / 60 for *_, t in points], [v for _, v, _ in points], color=f"C{i}", lw=1.5,
                              marker="o", ms=2, label=mode if k == 0 else None)
-        axes[2].set_xlabel("wall time (minutes, each run's own)")
+        clock_name = "wall time" if clock == "wall" else "CPU time"
+        axes[2].set_xlabel(f"{clock_name} (minutes, each run's own)")
         axes[2].set_ylabel("validation loss")
-        axes[2].set_title("against wall time")
+        axes[2].set_title(f"against {clock_name}")
         axes[2].grid(alpha=0.3)
         axes[2].legend(fontsize=8)
     curves = {mode: [[(step, v) for step, v, *_ in pts] for pts in seeds] for mode, seeds in curves.items()}
@@ -292,11 +293,11 @@ def signed(x, se, spec=".4f"):
     return "-" if x is None else f"{x:+{spec}} ± {fmt(se, spec)}"
 
 
-def study_table(rows, reference, option=None):
+def study_table(rows, reference, option=None, clock="wall"):
     """The study's Markdown table: a row per sweep value and variant."""
     head = ([option] if option else []) + [
         "variant", "seeds", "val loss", f"vs {reference}", "beat", "perplexity", "max weight", "deep max",
-        "entropy", "tokens/s", "speed", "vs ref, equal time", "params"]
+        "entropy", "tokens/s", "speed", "vs ref, equal time" if clock == "wall" else "vs ref, equal CPU time", "params"]
     body = [([str(r["sweep"])] if option else []) + [
         r["variant"], r["seeds"], f"{fmt(r['val_loss'], '.4f')} ± {fmt(r['val_loss_std'], '.4f')}",
         signed(r["diff"], r["diff_se"]), "-" if r["variant"] == reference else f"{r['wins']}/{r['paired']}",
@@ -329,7 +330,7 @@ def pair_table(rows, option=None):
                            for r in rows])
 
 
-def study_notes(reference, pairs=False):
+def study_notes(reference, pairs=False, clock="wall"):
     """What the study table's columns mean (written under it in compare.md), and the pairs' table's."""
     return (f"val loss: the last evaluation's, mean ± std over seeds. vs {reference}: the mean over seeds of each "
             f"seed's difference to {reference} (the same batches), ± its standard error (std of the differences "
@@ -337,14 +338,15 @@ def study_notes(reference, pairs=False):
             f"with a lower loss than {reference}. perplexity: the change of the mean perplexity. max weight, deep "
             f"max: mean largest routing weight over routed sublayers with more than one source, and over the "
             f"deeper half; entropy: normalised routing entropy H / log n (1 is uniform); all at the last "
-            f"evaluation. tokens/s: median training speed; speed: relative to {reference}. vs ref, equal time: "
-            f"the paired difference of the val loss curves (interpolated between evaluations) read at the "
-            f"shorter run's total wall time of each pair."
+            f"evaluation. tokens/s: median training speed; speed: relative to {reference}. vs ref, equal "
+            f"{'time' if clock == 'wall' else 'CPU time'}: the paired difference of the val loss curves (interpolated "
+            f"between evaluations) read at the shorter run's total {'wall' if clock == 'wall' else 'CPU'} time of "
+            f"each pair."
             + (" pair a - b: the mean over seeds of a's val loss minus b's (the same batches), ± its standard "
                "error; beat: seeds where a is lower." if pairs else ""))
 
 
-def draw_study(rows, summaries, reference, option, out, title=None):
+def draw_study(rows, summaries, reference, option, out, title=None, clock="wall"):
     """The study's pictures in folder out; returns their paths. With a sweep: loss.png (val loss ± std, and
     the paired difference to the reference ± standard error, against the swept option) and sharpness.png
     (max weight and entropy against it, routed variants); always the curves: one picture per sweep value, or
@@ -354,7 +356,7 @@ def draw_study(rows, summaries, reference, option, out, title=None):
         curves = {}
         for s in summaries:
             curves.setdefault(f"{option} = {s['sweep']}", []).append(s["curve"])
-        draw_curves(curves, out / "curves.png", title)
+        draw_curves(curves, out / "curves.png", title, clock)
         written.append(out / "curves.png")
     values = dict.fromkeys(s["sweep"] for s in summaries) if not written else {}  # else: a picture per value
     for value in values:
@@ -363,7 +365,7 @@ def draw_study(rows, summaries, reference, option, out, title=None):
             if s["sweep"] == value:
                 curves.setdefault(s["variant"], []).append(s["curve"])
         path = out / ("curves.png" if option is None else f"curves-{option}={value}.png")
-        draw_curves(curves, path, title if option is None else f"{title}; {option} = {value}")
+        draw_curves(curves, path, title if option is None else f"{title}; {option} = {value}", clock)
         written.append(path)
     if option is not None:
         written.append(draw_sweep(rows, option, [("val_loss", "val_loss_std", "validation loss (mean ± std)"),

@@ -1,0 +1,131 @@
+"""
+Where a training step's time goes: torch.profiler over a few forward+backward steps of each mode, the modes
+interleaved, with routing's share of the step split by operation, forward and backward.
+
+    python cli.py bench --config w128 --threads 1 --profile --residual baseline,attnres,attnres-h4
+
+Routing is everything the residual stream does: Stream.read, write and output (FastStream's too) run inside
+a profiler range named "routing", so in the forward pass every operation under such a range is routing's. In
+the backward pass an operation is routing's when the autograd node it runs for was made by a routing range's
+operation in the forward pass: profiler events carry the node's sequence number, and the last forward event
+that reports a number is the one that made the node (an operation that makes no node reports the next
+number too, before its maker). The baseline's row is its plain stream (x + v), the floor every mode pays.
+The profiler adds a few microseconds to each operation it records, so many small operations look costlier
+here than they are: `bench` without --profile gives the ratios that count (docs/speed.md).
+"""
+import collections
+import contextlib
+import functools
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import delta_gpt as M
+
+SCOPE = "routing"
+STREAM_METHODS = ((M.Stream, ("read", "write", "output")), (M.FastStream, ("__init__", "read")))
+
+
+@contextlib.contextmanager
+def routing_ranges():
+    """Stream's and FastStream's methods run inside record_function(SCOPE) until the block ends."""
+    saved = [(cls, name, cls.__dict__[name]) for cls, names in STREAM_METHODS for name in names]
+
+    def ranged(method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            with record_function(SCOPE):
+                return method(*args, **kwargs)
+        return wrapper
+
+    for cls, name, method in saved:
+        setattr(cls, name, ranged(method))
+    try:
+        yield
+    finally:
+        for cls, name, method in saved:
+            setattr(cls, name, method)
+
+
+def op_name(event):
+    """An event's name in the table: aten operations by their own name, Python and engine time said so."""
+    name = event.name
+    if name.startswith("aten::"):
+        return name[len("aten::"):]
+    if name == SCOPE:
+        return "Stream (Python)"
+    if name.startswith("autograd::engine::evaluate_function"):
+        return "autograd engine"
+    return f"{name} (Python)"  # a custom autograd Function's own code: RouteRead, ScoreBackward, ...
+
+
+def profile_modes(models, idx, steps=5, warmup=2):
+    """{mode: dict(forward=ms, backward=ms, routing={"forward": {op: ms}, "backward": {op: ms}})}, per step,
+    from `steps` profiled forward+backward steps of each model, interleaved, after `warmup` unprofiled ones."""
+
+    def step(model, tag):
+        with record_function(f"{tag}|forward"):
+            _, loss = model(idx, idx)
+        with record_function(f"{tag}|backward"):
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    with routing_ranges():
+        for model in models.values():
+            for _ in range(warmup):
+                _, loss = model(idx, idx)
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                for mode, model in models.items():
+                    step(model, mode)
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+
+    def enclosing(event):
+        chain, parent = [], event.cpu_parent
+        while parent is not None:
+            chain.append(parent)
+            parent = parent.cpu_parent
+        return chain
+
+    maker = {}  # (thread, sequence number) -> was the forward event that made the node in a routing range
+    for e in events:
+        chain = enclosing(e)
+        if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine") and any("|forward" in a.name for a in chain):
+            maker[e.thread, e.sequence_nr] = any(a.name == SCOPE for a in chain) or e.name == SCOPE
+    rows = {mode: dict(forward=0.0, backward=0.0, routing=dict(forward=collections.Counter(),
+                                                                   backward=collections.Counter()))
+            for mode in models}
+    for e in events:
+        chain = enclosing(e)
+        if "|" in e.name:
+            mode, phase = e.name.split("|")
+            rows[mode][phase] += e.cpu_time_total / 1000 / steps
+            continue
+        top = next((a for a in chain if "|" in a.name), None)
+        if top is None:
+            continue
+        mode, phase = top.name.split("|")
+        if phase == "forward":
+            routed = e.name == SCOPE or any(a.name == SCOPE for a in chain)
+        else:
+            node = next((a for a in [e, *chain] if a.name.startswith("autograd::engine::evaluate_function")), None)
+            routed = node is not None and maker.get((node.fwd_thread, node.sequence_nr), False)
+        if routed:
+            rows[mode]["routing"][phase][op_name(e)] += e.self_cpu_time_total / 1000 / steps
+    return rows
+
+
+def profile_table(rows, top=6):
+    """The rows as Markdown: one line per mode and pass with routing's milliseconds and its largest operations."""
+    lines = ["| mode | pass | step ms | routing ms | share | routing's largest operations, ms per step |",
+             "|---|---|---|---|---|---|"]
+    for mode, r in rows.items():
+        step = r["forward"] + r["backward"]
+        for phase in ("forward", "backward"):
+            ops = r["routing"][phase]
+            total = sum(ops.values())
+            largest = ", ".join(f"{name} {ms:.1f}" for name, ms in ops.most_common(top) if ms >= 0.05)
+            lines.append(f"| {mode} | {phase} | {r[phase]:.1f} | {total:.1f} | {total / step:.1%} | {largest or '-'} |")
+    return "\n".join(lines)
