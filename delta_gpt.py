@@ -139,39 +139,38 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Attention over depth: a sublayer's weighted read of its sources s_1..s_n (each (B, T, D)),
+    """Attention over depth: a sublayer's weighted read of its sources s_1..s_n (each (B, T, D)), per token,
         alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
-    per token, with no 1/sqrt(D) and no temperature. w starts at zero (uniform weights), g at one.
-    Multi-head routing (heads H > 1) cuts the D channels into H contiguous groups and routes each group apart:
+    with no 1/sqrt(D) and no temperature; w starts at zero (uniform weights), g at one. With H heads the D
+    channels are cut into H contiguous groups [h], each routed with its own weights:
         alpha_i^h = softmax_i(w_h . RMSNorm_g(s_i)[h])     read[h] = sum_i alpha_i^h * s_i[h]
-    where [h] is channel group h and w_h that group of w. The keys are normed over the full width and then
-    sliced, so the H head scores of a source sum to its one-head score; no parameter is added. H = 1 is the above.
-    Static (the control): alpha_i = softmax_i(b_i), one learned logit per source (and head), zero-init, the same
-    for every token. Logits and softmax run in float32 (float64 in a float64 model), also under autocast.
-    forward() runs only on the plain path (--no-fast-routing); by default RouteRead computes the same numbers."""
+    The keys are normed over the full width, then cut, so a source's H head scores sum to its one-head score;
+    no parameter is added. Static routing (the control): alpha_i^h = softmax_i(b_i^h), one learned logit per
+    source and head, zero-init, the same for every token. Logits and softmax run in float32 (float64 in a
+    float64 model), also under autocast."""
 
     def __init__(self, n_embd, heads=1, static_sources=None):
         super().__init__()
-        self.heads = heads
-        if static_sources is not None:  # static: b, zero-init (uniform weights); no query, no keys
+        self.heads, self.static = heads, static_sources is not None
+        if self.static:  # b: one logit per source (and head); no query, no keys
             self.logits = nn.Parameter(torch.zeros(static_sources) if heads == 1 else torch.zeros(heads, static_sources))
-            return
-        self.query = nn.Parameter(torch.zeros(n_embd))  # w, zero-init: uniform weights at init
-        self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # its weight is the key gain g
+        else:
+            self.query = nn.Parameter(torch.zeros(n_embd))  # w
+            self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # RMSNorm_g: its weight is the key gain g
 
     def forward(self, sources):
-        """sources: n tensors (B, T, D) -> read (B, T, D) in the first source's dtype, alpha (B, T, n)
-        (with heads, (B, T, H, n))."""
+        """sources: n tensors (B, T, D) -> read (B, T, D), alpha (B, T, n), or (B, T, H, n) with heads."""
         H = self.heads
-        with torch.autocast(sources[0].device.type, enabled=False):  # all in float32
-            s = torch.stack([upcast(s) for s in sources], dim=-2)    # (B, T, n, D)
-            if hasattr(self, "logits"):
-                alpha = upcast(self.logits).view(H, -1).softmax(dim=-1).expand(*s.shape[:-2], H, -1)  # (H, n) -> (B, T, H, n)
+        with torch.autocast(sources[0].device.type, enabled=False):
+            s = [upcast(s_i).unflatten(-1, (H, -1)) for s_i in sources]         # s_i[h], (B, T, H, D/H)
+            if self.static:
+                logits = upcast(self.logits).view(H, -1).expand(*s[0].shape[:2], H, -1)  # b_i^h, (B, T, H, n)
             else:
-                keys = F.rms_norm(s, s.shape[-1:], upcast(self.norm.weight), ROUTE_EPS)  # RMSNorm_g(s_i), full width
-                w = torch.block_diag(*upcast(self.query).view(H, -1, 1))  # (D, H): column h holds w_h in group h's rows
-                alpha = (keys @ w).transpose(-1, -2).softmax(dim=-1)      # (B, T, n, H) -> (B, T, H, n)
-            read = (alpha.transpose(-1, -2).unsqueeze(-1) * s.unflatten(-1, (H, -1))).sum(dim=-3)  # (B, T, H, D/H)
+                w = upcast(self.query).view(H, -1)                               # w_h, (H, D/H)
+                keys = [self.norm(upcast(s_i)).unflatten(-1, (H, -1)) for s_i in sources]  # RMSNorm_g(s_i)[h]
+                logits = torch.stack([(k * w).sum(-1) for k in keys], dim=-1)    # w_h . RMSNorm_g(s_i)[h]
+            alpha = logits.softmax(dim=-1)                                       # over the sources, per head
+            read = sum(alpha[..., i, None] * s_i for i, s_i in enumerate(s))    # read[h] = sum_i alpha_i^h s_i[h]
         return read.flatten(-2).to(sources[0].dtype), alpha.squeeze(-2) if H == 1 else alpha
 
 
@@ -186,35 +185,34 @@ class Stream:
     `read(router)` gives u_k, `write(v)` takes v_k. The four modes differ only here, by two flags:
       baseline             keeps_stream             u_k = x_{k-1}                  (router is None)
       delta, delta_block   keeps_stream and routed  u_k = x_{k-1} + read(sources)  (additive routing)
-      attnres              routed                   u_k = read(sources)            (replacement; a final router
-                                                                                    then reads all sources)
+      attnres              routed                   u_k = read(sources)            (replacement; a final
+                                                                                    router reads all sources)
     The sources are e and the completed blocks b_1, b_2, ... (each the sum of its sublayers' v's; per
-    sublayer, N = S, each v is a block), plus the partial sum of the current block when it is routed and
-    non-empty. route_sources="cumulative" swaps each source for the stream's value x at that boundary.
-    read() runs only on the plain path (--no-fast-routing); by default FastStream.read, in the file's last
-    section, replaces it with the same numbers.
+    sublayer, N = S, each v is a block), plus the current block's partial sum where it is routed and not
+    empty. route_sources="cumulative" swaps each source for the stream's value x at that boundary.
     """
 
     def __init__(self, e, config, record=None):
-        self.keeps_stream = config.residual != "attnres"      # a running stream x: every mode but replacement
+        self.keeps_stream = config.residual != "attnres"  # a running stream x: every mode but replacement
         self.routed = config.residual != "baseline"
-        self.x = e if self.keeps_stream else None              # the running stream x_{k-1}; replacement has none
-        self.n_sublayers = config.n_sublayers
-        self.block_len = self.n_sublayers // (config.n_route_blocks or 1)  # sublayers per block
+        self.x = e                                        # the running stream x_{k-1} (unused by attnres)
+        self.blocks = [e]                                 # e, then each completed block's source
+        self.partial = None                               # the current block's sum of v's so far
+        self.k = 0                                        # sublayers written so far
+        self.block_len = config.n_sublayers // (config.n_route_blocks or 1)
         self.route_partial = config.route_partial
         self.cumulative = config.route_sources == "cumulative"
-        self.record = record                                   # a list to collect (sources, alpha) for stats
-        self.blocks = []                                       # e, then each completed block's source
-        self.partial = None                                    # sum of the current block's v's
-        self.k = 0                                             # sublayers written so far
-        if self.routed:
-            self.add_block(e)
+        self.record = record                              # a list to collect (sources, alpha) for statistics
+
+    def as_source(self, s):
+        """A block's sum of v's as a source: itself, or for cumulative sources the stream at the block's end."""
+        return self.blocks[-1] + s if self.cumulative else s
 
     def sources(self):
-        """The sources a router reads now: e and the completed blocks, plus the partial sum if routed."""
+        """What a router reads now: e and the completed blocks, and the partial sum if routed and not empty."""
         if self.partial is None or not self.route_partial:
             return list(self.blocks)
-        return self.blocks + [self.blocks[-1] + self.partial if self.cumulative else self.partial]
+        return self.blocks + [self.as_source(self.partial)]
 
     def read(self, router):
         if router is None:
@@ -229,25 +227,15 @@ class Stream:
         self.k += 1
         if self.keeps_stream:
             self.x = self.x + v
-            # after the last sublayer x_S is the output: no router is left to read the last block (attnres
-            # keeps it, for its final router), so delta and delta_block stop here, and so does the baseline
-            if self.k == self.n_sublayers:
-                return
-        if not self.routed:
-            return
-        self.partial = v if self.partial is None else self.partial + v
-        if self.k % self.block_len == 0:  # block complete: its sum becomes a source (the last for attnres's final router)
-            self.add_block(self.blocks[-1] + self.partial if self.cumulative else self.partial)
-            self.partial = None
-
-    def add_block(self, s):
-        self.blocks.append(s)
+        if self.routed:
+            self.partial = v if self.partial is None else self.partial + v
+            if self.k % self.block_len == 0:  # block complete: its sum becomes a source
+                self.blocks.append(self.as_source(self.partial))
+                self.partial = None
 
     def output(self, final_router):
         """x_S where the mode keeps a stream; for replacement routing the final router's read of all sources."""
-        if self.keeps_stream:
-            return self.x
-        return self.read(final_router)
+        return self.x if self.keeps_stream else self.read(final_router)
 
 
 class Block(nn.Module):
@@ -258,9 +246,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
-        routed = config.residual != "baseline"
-        self.attn_router = make_router(config, 2 * i) if routed else None
-        self.mlp_router = make_router(config, 2 * i + 1) if routed else None
+        self.attn_router = make_router(config, 2 * i)      # None for the baseline
+        self.mlp_router = make_router(config, 2 * i + 1)
         self.recompute = False  # True: activation checkpointing, each f(LN(u)) runs again in backward
 
     def forward(self, stream, kv=None):
@@ -286,29 +273,32 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True # True: bias in Linears and LayerNorms, like GPT-2. False: a bit better and faster
     residual: str = "baseline" # baseline | attnres | delta | delta_block
-    n_route_blocks: Optional[int] = None # N blocks of 2*n_layer/N sublayers; None: 4 (attnres, delta_block), 2*n_layer (delta)
-    route_partial: Optional[bool] = None # route the current block's partial sum too; None: True (attnres, delta), False (delta_block)
-    route_sources: Optional[str] = None # "delta" (block sums) or "cumulative" (stream snapshots); None: "delta"
-    route_weights: Optional[str] = None # "dynamic" (per token, from the sources) or "static" (a learned logit per source); None: "dynamic"
-    route_heads: Optional[int] = None # H: route each of H contiguous channel groups apart (multi-head routing); None: 1
-    fast_routing: bool = True # True: the fast path (the file's last section); False: Router and Stream as written. Not architecture
+    # routing; None takes the mode's default (routing_defaults below), and stays None for the baseline
+    n_route_blocks: Optional[int] = None # N: the 2*n_layer sublayers cut into N blocks of sources
+    route_partial: Optional[bool] = None # also route the current block's partial sum
+    route_sources: Optional[str] = None # "delta" (block sums) or "cumulative" (stream snapshots)
+    route_weights: Optional[str] = None # "dynamic" (per token) or "static" (one learned logit per source)
+    route_heads: Optional[int] = None # H: route H contiguous channel groups apart (multi-head routing)
+    fast_routing: bool = True # the file's last section; False: Router and Stream as written. Not architecture
 
     def __post_init__(self):
+        unset = {name for name in ROUTING_FIELDS if getattr(self, name) is None}
         check_gpt_config(self)  # one clear ValueError for a bad value (the checks follow GPT)
-        if self.residual != "baseline":  # each routed mode's defaults
-            defaults = dict(n_route_blocks=2 * self.n_layer if self.residual == "delta" else 4, route_sources="delta",
-                            route_partial=self.residual != "delta_block", route_weights="dynamic", route_heads=1)
-            for name, value in defaults.items():
-                if getattr(self, name) is None:
-                    setattr(self, name, value)
+        if self.residual != "baseline":
+            for name in unset:
+                setattr(self, name, routing_defaults(self.residual, self.n_layer)[name])
+            check_routing(self, unset)
 
     @property
     def n_sublayers(self):
         return 2 * self.n_layer
 
 
-def _divisors(n):
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def routing_defaults(residual, n_layer):
+    """A routed mode's defaults: delta routes per sublayer, attnres and delta_block over 4 blocks; attnres reads
+    the current partial block (Kimi's definition), delta_block only completed ones (the paper's)."""
+    return dict(n_route_blocks=2 * n_layer if residual == "delta" else 4, route_partial=residual != "delta_block",
+                route_sources="delta", route_weights="dynamic", route_heads=1)
 
 
 def sources_per_router(cfg):
@@ -316,16 +306,21 @@ def sources_per_router(cfg):
     if cfg.residual == "baseline":
         return []
     S, L = cfg.n_sublayers, cfg.n_sublayers // cfg.n_route_blocks
-    # sublayer k reads e, the (k - 1) // L blocks completed before it, and the partial sum of its own block when
+    # sublayer k reads e, the (k - 1) // L blocks completed before it, and its own block's partial sum when
     # routed and not empty: with L = 4 sublayer 6 reads e, b1 and b2's partial (v5), 3 sources
-    counts = [1 + (k - 1) // L + (1 if cfg.route_partial and (k - 1) % L else 0) for k in range(1, S + 1)]
-    return counts + ([1 + cfg.n_route_blocks] if cfg.residual == "attnres" else [])
+    counts = [1 + (k - 1) // L + (cfg.route_partial and (k - 1) % L > 0) for k in range(1, S + 1)]
+    if cfg.residual == "attnres":
+        counts.append(1 + cfg.n_route_blocks)  # the final router reads e and every block
+    return counts
 
 
 def make_router(config, j):
-    """Router j (in the model's order): static routing needs its number of sources, dynamic routing does not."""
-    n = sources_per_router(config)[j] if config.route_weights == "static" else None
-    return Router(config.n_embd, config.route_heads, static_sources=n)
+    """Router j (in the model's order), None for the baseline; static routing needs its number of sources."""
+    if config.residual == "baseline":
+        return None
+    if config.route_weights == "static":
+        return Router(config.n_embd, config.route_heads, static_sources=sources_per_router(config)[j])
+    return Router(config.n_embd, config.route_heads)
 
 
 class GPT(nn.Module):
@@ -379,7 +374,7 @@ class GPT(nn.Module):
                     torch.nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, Router) and hasattr(module, "logits"):
+            elif isinstance(module, Router) and module.static:
                 torch.nn.init.zeros_(module.logits)
             elif isinstance(module, Router):
                 torch.nn.init.zeros_(module.query)
@@ -405,8 +400,8 @@ class GPT(nn.Module):
             stream = FastStream(e, self.config, self.routers, record)
         else:
             stream = Stream(e, self.config, record)
-        for i, block in enumerate(self.transformer.h):
-            block(stream, kv_cache[i] if kv_cache is not None else None)
+        for block, kv in zip(self.transformer.h, kv_cache or [None] * len(self.transformer.h)):
+            block(stream, kv)
         return self.transformer.ln_f(stream.output(getattr(self.transformer, "final_router", None)))
 
     def forward(self, idx, targets=None):
@@ -588,35 +583,38 @@ def check_gpt_config(c):
         raise ValueError(f"dropout={c.dropout!r} must be in [0, 1)")
     if c.n_embd % c.n_head != 0:
         raise ValueError(f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}; "
-                         f"choose n_head among {_divisors(c.n_embd)}")
-    if c.residual == "baseline":
-        for name in ROUTING_FIELDS:
-            if getattr(c, name) is not None:
-                raise ValueError(f"{name} is set but residual='baseline' has no routing; "
-                                 f"leave {name} unset or choose attnres, delta or delta_block")
-        return
-    if c.route_sources is not None and c.route_sources not in ROUTE_SOURCES:
+                         f"choose n_head among {divisors(c.n_embd)}")
+    for name in ROUTING_FIELDS:
+        if c.residual == "baseline" and getattr(c, name) is not None:
+            raise ValueError(f"{name} is set but residual='baseline' has no routing; "
+                             f"leave {name} unset or choose attnres, delta or delta_block")
+
+
+def check_routing(c, defaulted):
+    """The routing fields of a routed mode, its defaults filled in (the fields named in `defaulted`)."""
+    if c.route_sources not in ROUTE_SOURCES:
         raise ValueError(f"route_sources={c.route_sources!r} is unknown; choose one of {', '.join(ROUTE_SOURCES)}")
-    if c.route_weights is not None and c.route_weights not in ROUTE_WEIGHTS:
+    if c.route_weights not in ROUTE_WEIGHTS:
         raise ValueError(f"route_weights={c.route_weights!r} is unknown; choose one of {', '.join(ROUTE_WEIGHTS)}")
-    H = 1 if c.route_heads is None else c.route_heads
+    H, N, S = c.route_heads, c.n_route_blocks, c.n_sublayers
     if isinstance(H, bool) or not isinstance(H, int) or H < 1 or c.n_embd % H != 0:
         raise ValueError(f"route_heads={H!r} must be a whole number that divides n_embd={c.n_embd}; "
-                         f"choose one of {_divisors(c.n_embd)}")
-    S = 2 * c.n_layer
-    N = c.n_route_blocks if c.n_route_blocks is not None else S if c.residual == "delta" else 4
+                         f"choose one of {divisors(c.n_embd)}")
     if isinstance(N, bool) or not isinstance(N, int) or N < 1 or S % N != 0:
-        default = " (the default for this mode)" if c.n_route_blocks is None else ""
-        raise ValueError(f"n_route_blocks={N!r}{default} must divide 2*n_layer={S} sublayers; "
-                         f"choose one of {_divisors(S)}")
+        said = f"n_route_blocks={N!r} (the default for this mode)" if "n_route_blocks" in defaulted else f"n_route_blocks={N!r}"
+        raise ValueError(f"{said} must divide 2*n_layer={S} sublayers; choose one of {divisors(S)}")
     if c.residual == "delta" and N != S:
         raise ValueError(f"n_route_blocks={N} but residual='delta' routes per sublayer (n_route_blocks=2*n_layer={S}); "
                          f"leave it unset, or use residual='delta_block' for {N} blocks")
-    if c.route_partial not in (None, True, False):
+    if c.route_partial not in (True, False):
         raise ValueError(f"route_partial={c.route_partial!r} must be True or False")
-    if c.residual == "attnres" and c.route_partial is False:
+    if c.residual == "attnres" and not c.route_partial:
         raise ValueError("route_partial=False but attnres always routes the current partial block "
                          "(Kimi's definition); leave it unset or use delta_block")
+
+
+def divisors(n):
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def device_peak_flops(device):
@@ -657,33 +655,31 @@ class FastStream(Stream):
     model's order (sublayers, then attnres's final router): router j's folded query is row j."""
 
     def __init__(self, e, config, routers, record=None):
-        self.routers = routers
-        self.static = config.route_weights == "static"         # static logits need no scores
-        self.heads = config.route_heads                        # H: each router's logits are per head
-        self.queries = folded_queries(routers) if routers and not self.static else None  # (R, D)
-        self.scores = []                                       # per block: its logits (B, T, H) for each router
-        self.handed_on = []                                    # the blocks, as the last router handed them on
-        self.reads = 0                                         # routers read so far
         super().__init__(e, config, record)
-
-    def add_block(self, s):
-        super().add_block(s)
-        self.handed_on.append(s)
-        if not self.static:  # phase 1: routers 0..reads-1 have read already; the others take their row
-            self.scores.append([None] * self.reads + list(Score.apply(s, self.queries[self.reads:], self.heads)))
+        self.routers, self.heads = routers, config.route_heads
+        self.static = config.route_weights == "static"  # static logits need no scores
+        self.queries = folded_queries(routers) if routers and not self.static else None  # (R, D)
+        self.scores = []     # per block: its logits (B, T, H) for each router from its first reader on
+        self.handed_on = []  # the blocks, as the last router handed them on
+        self.reads = 0       # routers read so far
 
     def read(self, router):
         if router is None:
             return self.x
         assert router is self.routers[self.reads], "routers must be read in the model's order"
         j, self.reads = self.reads, self.reads + 1
+        for s in self.blocks[len(self.handed_on):]:  # the blocks completed since the last read
+            self.handed_on.append(s)
+            if not self.static:  # phase 1: scored once, in one product, against this router and every later one
+                self.scores.append([None] * j + list(Score.apply(s, self.queries[j:], self.heads)))
         sources = self.sources()
         partial = sources[len(self.blocks):]  # [p] when the partial sum is routed, else []
         if self.static:  # one logit per source, the same for every token
             logits = upcast(router.logits).view(self.heads, -1).t()[:, None, None, :]  # (n, 1, 1, H)
             logits, query = logits.expand(-1, *sources[0].shape[:2], -1), None          # (n, B, T, H)
         else:  # the blocks' logits from phase 1; the partial's, if routed, RouteRead computes (phase 2)
-            logits, query = torch.stack([scores[j] for scores in self.scores]), self.queries[j] if partial else None
+            logits = torch.stack([scores[j] for scores in self.scores])
+            query = self.queries[j] if partial else None
         base = self.x if self.keeps_stream else None
         if len(sources) == 1:  # alpha = 1 whatever the logit: the read is the source itself
             alpha = torch.ones_like(logits).movedim(0, -1)  # (B, T, H, 1)
@@ -695,7 +691,7 @@ class FastStream(Stream):
             if handed_on:
                 self.handed_on = handed_on[:len(self.blocks)]  # a partial is read once: not handed on
         if self.record is not None:  # the sources themselves: the aliases stay inside the router chain
-            self.record.append((sources, alpha.squeeze(-2) if self.heads == 1 else alpha))  # (B, T, n) or (B, T, H, n)
+            self.record.append((sources, alpha.squeeze(-2) if self.heads == 1 else alpha))  # (B, T, [H,] n)
         return u
 
 
