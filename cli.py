@@ -90,23 +90,13 @@ def prepare(
 
 
 @app.command(context_settings=PASS_THROUGH, cls=TrainHelp)
-@friendly
 def train(ctx: typer.Context):
     """Train a model: train --residual MODE [--preset P] [--resume] [--FIELD VALUE ...].
 
     Works under torchrun for DDP: torchrun --standalone --nproc_per_node=N cli.py train ...
     """
     import train as T
-    from plumbing.config import out_dir_of
-    from plumbing.system import apply_process_settings, end_torchrun_process
-    cfg = T.config_from_args(ctx.args)
-    apply_process_settings(cfg)
-    summary = T.train(cfg)
-    if summary.get("val_loss") is not None and int(os.environ.get("RANK", 0)) == 0:
-        typer.echo(f"done: val loss {summary['val_loss']:.4f} (perplexity {math.exp(summary['val_loss']):.2f}, "
-                   f"the mean of {cfg.eval_iters} fixed batches) after {summary['iter_num']} steps; "
-                   + ("evaluated only, nothing written" if cfg.eval_only else f"checkpoints in {out_dir_of(cfg)}"))
-    end_torchrun_process()
+    T.main(ctx.args)  # the one entry flow of python train.py: its errors, its last line
 
 
 @app.command()

@@ -14,6 +14,7 @@ state sharded).
 process settings) lives in plumbing/, below this file, each piece called once from here.
 """
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -26,17 +27,19 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from data import batch_starts, eval_batch, get_batch
+from data import DROPOUT, TRAIN_BATCHES, batch_starts, eval_batch, get_batch
 import data
 from delta_gpt import GPT, GPT2_MODELS
 from errors import ConfigError, DeltaGPTError, TrainError
-from plumbing.checkpoint import (checkpoint_dict, dataset_info, load_checkpoint, model_from_gpt2, model_from_init_checkpoint,
-                                 restore_rng, resume_checkpoint, resume_model, rng_state, save_checkpoint)
-from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, ROUTE_FIELDS, as_typed, check_config, flag, mode_label, model_config,
+from plumbing.checkpoint import (checkpoint_dict, dataset_info, load_checkpoint, model_from_gpt2,
+                                 model_from_init_checkpoint, restore_rng, resume_checkpoint, resume_model, rng_state,
+                                 save_checkpoint)
+from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, as_typed, check_config, flag, mode_label, model_config,
                              out_dir_of, parse_args, preset_config, train_help)
 from plumbing.distributed import full_state, load_optimizer_state, process_group, root_gathered, shard
 from plumbing.routing_stats import routing_stats
-from plumbing.rundir import Progress, RunLock, RunRecord, StopFlag, check_folder, check_same_data, claim_run_dir
+from plumbing.rundir import (Progress, RunLock, RunRecord, StopFlag, check_folder, check_same_data,
+                             claim_run_dir)
 from plumbing.system import apply_process_settings, check_memory, cpu_has_bfloat16, end_torchrun_process
 
 # -----------------------------------------------------------------------------
@@ -146,21 +149,26 @@ def get_lr(it, cfg):
 
 @torch.no_grad()
 def estimate_loss(model, ds, split, eval_iters, batch_size, ctx=nullcontext(), progress=False):
-    """Mean loss over the first eval_iters fixed evaluation batches of a split (the same for every run)."""
+    """Mean loss over the first eval_iters fixed evaluation batches of a split (the same for every run). With
+    progress: a bar on a terminal, and a note when the batches are slow enough that it would sit silent."""
     device, training = next(model.parameters()).device, model.training
     model.eval()
-    losses = []
+    losses, t0 = [], time.time()
     for k in tqdm(range(eval_iters), desc=f"{split} loss", disable=None if progress else True, leave=False):
         X, Y = eval_batch(ds, split, k, batch_size, model.config.block_size, device)
         with ctx:
             losses.append(model(X, Y)[1].item())
+        if progress and k == 0 and (time.time() - t0) * eval_iters > 60:
+            print(f"note: one {split} batch took {time.time() - t0:.0f} s: this split's loss takes about "
+                  f"{(time.time() - t0) * eval_iters / 60:.0f} min ({eval_iters} batches, --eval-iters)", flush=True)
     model.train(training)
     return sum(losses) / len(losses)
 
 
-def evaluate_model(model, ds, cfg, ctx, device):
+def evaluate_model(model, ds, cfg, ctx, device, master):
     """Both splits' mean loss on the fixed eval batches, and routing statistics on the first val batch."""
-    out = {split: estimate_loss(model, ds, split, cfg.eval_iters, cfg.batch_size, ctx) for split in ("train", "val")}
+    show = master and cfg.progress
+    out = {split: estimate_loss(model, ds, split, cfg.eval_iters, cfg.batch_size, ctx, show) for split in ("train", "val")}
     if cfg.residual != "baseline":
         X, _ = eval_batch(ds, "val", 0, cfg.batch_size, cfg.block_size, device)
         model.eval()
@@ -194,21 +202,27 @@ def derive_seed(*key):
 # train(): setup, then the loop
 
 def train(cfg):
-    """Train as configured; returns a summary dict (rank 0). Bad input or a run that cannot go on raises a DeltaGPTError."""
+    """Train as configured; returns a summary dict (rank 0). Bad input or a run that cannot go on raises a
+    DeltaGPTError."""
     check_config(cfg)
     cfg = replace(cfg, out_dir=out_dir_of(cfg))
     out_dir = Path(cfg.out_dir)
     check_folder(out_dir, "--out-dir")
-    # one process or torchrun's, and a lock on the run directory: a run that fails to start leaves it as found
+    # one process or torchrun's, and a lock on the run directory: a run that fails before its first step
+    # leaves the folder as it found it
     with process_group(cfg) as (rank, world_size, device), RunLock(out_dir, rank == 0 and not cfg.eval_only) as lock:
         master = rank == 0  # rank 0 writes checkpoints, metrics and the log
         if cfg.gradient_accumulation_steps % world_size:
-            raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a multiple "
-                              f"of the number of processes {world_size}")
+            raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a "
+                              f"multiple of the number of processes {world_size}")
         accum = cfg.gradient_accumulation_steps // world_size  # micro-steps per rank
         tokens_per_iter = accum * world_size * cfg.batch_size * cfg.block_size
         check_memory(cfg, device, world_size)  # a run far past this machine's memory is refused before any work
-        ckpt, changed = resume_checkpoint(cfg, master) if cfg.resume else claim_run_dir(cfg, master)
+        if cfg.resume:
+            ckpt, changed = resume_checkpoint(cfg, master)
+        else:
+            ckpt, changed = claim_run_dir(cfg, master)
+            lock.claim()
         torch.manual_seed(cfg.seed + rank)
         dtype, ctx, scaler = precision(cfg, device, master)
         ds = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size)
@@ -218,18 +232,17 @@ def train(cfg):
 
         # the model: the run's last.pt (--resume), from scratch, GPT-2's weights, or a checkpoint (--init-from)
         model, iter_num, best_val_loss = None, 0, float("inf")
-        route = {k: getattr(cfg, k) for k in ROUTE_FIELDS + ("dropout", "fast_routing")}
         if master or not cfg.fsdp:  # under FSDP rank 0 builds the model and the others get their shards of it
             if ckpt is not None:
                 model = resume_model(cfg, ckpt, ds.meta)
                 iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
             elif cfg.init_from == "scratch":
-                vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's, padded to a multiple of 64
+                vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's, padded to 64
                 model = GPT(model_config(cfg, vocab_size))
             elif cfg.init_from in GPT2_MODELS:
-                model = model_from_gpt2(cfg, ds.tokenizer.name, route)
+                model = model_from_gpt2(cfg, ds.tokenizer.name)
             else:
-                model = model_from_init_checkpoint(cfg, ds.meta, route, master)
+                model = model_from_init_checkpoint(cfg, ds.meta, master)
         if cfg.fsdp:
             model, iter_num, best_val_loss = shard(model, iter_num, best_val_loss, rank, device, dtype,
                                                    cfg.activation_checkpointing)
@@ -239,15 +252,15 @@ def train(cfg):
             model = model.to(device)
         cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})  # GPT-2 weights bring their shape
 
-        # the optimizer: AdamW over the model's three groups, restored on resume with this run's settings
+        # the optimizer: AdamW over the model's three groups; on resume its state, with this run's settings
         optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                device.type, route_lr_mult=cfg.route_lr_mult)
         elapsed, cpu_elapsed = 0.0, 0.0
         if ckpt is not None:
+            settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
             load_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp, rank)
-            for group in optimizer.param_groups:  # this run's settings, not the saved ones
-                group.update(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay if group["name"] == "decay"
-                             else 0.0, lr_mult=cfg.route_lr_mult if group["name"] == "routing" else 1.0)
+            for group, setting in zip(optimizer.param_groups, settings):
+                group.update(setting)
             if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
                 scaler.load_state_dict(ckpt["scaler"])
             restore_rng(ckpt["rng"])
@@ -261,65 +274,75 @@ def train(cfg):
         ddp = world_size > 1 and not cfg.fsdp
         if ddp:
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        start_step = iter_num if cfg.resume else 0  # a resumed run's checkpoint step was evaluated before it was saved
-        t_start = time.time() - elapsed  # wall time counts on across resumes
-        cpu_start = time.process_time() - cpu_elapsed  # and this process's CPU time, which other jobs do not inflate
-
-        def checkpoint(path):
-            """The run's state now, written atomically by rank 0 (under FSDP every rank gathers it)."""
-            model_state, optim_state = full_state(raw_model, optimizer, cfg.fsdp, master)
-            if master:
-                save_checkpoint(checkpoint_dict(model_state, raw_model.config, asdict(cfg), iter_num, best_val_loss,
-                                                dataset_info(ds.meta, cfg.dataset), optimizer=optim_state,
-                                                scaler=scaler.state_dict(), rng=rng_state(),
-                                                elapsed=time.time() - t_start, cpu_elapsed=time.process_time() - cpu_start,
-                                                commit=record.commit), path)
 
         if cfg.eval_only:  # evaluate the model once, write nothing
-            losses = evaluate_model(raw_model, ds, cfg, ctx, device)
+            losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
             if master:
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
                       f"(each the mean of {cfg.eval_iters} fixed batches)")
             return dict(val_loss=losses["val"], train_loss=losses["train"], iter_num=iter_num)
 
+        # when the loop evaluates and saves: every interval, and at the end; a resumed run's first step is
+        # the one its last.pt holds, evaluated and saved before the run stopped
+        resumed_at = iter_num if cfg.resume else None
+
+        def evaluate_now(step):
+            return (step % cfg.eval_interval == 0 or step == cfg.max_iters) and step != resumed_at
+
+        def save_now(step):  # a fresh run's step 0 is saved only as its end (--max-iters 0)
+            return (step % cfg.ckpt_interval == 0 and step > 0 or step == cfg.max_iters) and step != resumed_at
+
         # the loop: metrics.jsonl (and W&B), the progress bar, and SIGINT/SIGTERM turned into a checkpoint
-        with RunRecord(out_dir, master, resume_step=start_step if cfg.resume else None) as record, \
-                Progress(cfg, master, iter_num) as bar, StopFlag() as stop:
-            lock.started()  # from here the folder holds this run: a failure keeps its files
+        t_start = time.time() - elapsed  # wall time counts on across resumes
+        cpu_start = time.process_time() - cpu_elapsed  # and this process's CPU time, which other jobs do not inflate
+        with RunRecord(out_dir, master, resume_step=resumed_at) as record, \
+                Progress(cfg, master, iter_num) as bar, StopFlag(master, lock.quit_now) as stop:
+
+            def checkpoint(path):
+                """The run's state now, written atomically by rank 0 (under FSDP every rank gathers it)."""
+                model_state, optim_state = full_state(raw_model, optimizer, cfg.fsdp, master)
+                if master:
+                    save_checkpoint(checkpoint_dict(
+                        model_state, raw_model.config, asdict(cfg), iter_num, best_val_loss,
+                        dataset_info(ds.meta, cfg.dataset), optimizer=optim_state, scaler=scaler.state_dict(),
+                        rng=rng_state(), elapsed=time.time() - t_start, cpu_elapsed=time.process_time() - cpu_start,
+                        commit=record.commit), path)
+                lock.started()  # a checkpoint is there: the folder holds this run
+
             if master:
                 record.write_config(cfg, raw_model, ds.meta, world_size, device, dtype)
                 if changed:
                     record.log(kind="resume", step=iter_num, changed={k: list(v) for k, v in changed.items()})
-                print(f"{mode_label(cfg)}: {raw_model.get_num_params():,} parameters, {tokens_per_iter:,} tokens per step, "
-                      f"{device} {dtype}{' compiled' if compiled else ''}, run directory {out_dir}; each loss below is "
-                      f"the mean of {cfg.eval_iters} fixed batches of its split")
+                print(f"{mode_label(cfg)}: {raw_model.get_num_params():,} parameters, {tokens_per_iter:,} tokens "
+                      f"per step, {device} {dtype}{' compiled' if compiled else ''}, run directory {out_dir}; each loss "
+                      f"below is the mean of {cfg.eval_iters} fixed batches of its split")
                 if cfg.resume:
                     print(f"resuming at step {iter_num} from {out_dir / 'last.pt'}")
-            saved_step = iter_num if cfg.resume else None  # the step last.pt holds
+            saved_at = resumed_at  # the step last.pt holds
             loss, val_loss, tok_s = float("nan"), None, None
             while True:  # max_iters + 1 passes: the last one only evaluates and checkpoints the final model
-                final = iter_num >= cfg.max_iters
 
                 # evaluate every eval_interval steps and at the end; best.pt keeps the best so far
-                evaluated = cfg.resume and iter_num <= start_step  # last.pt's step was evaluated before it was saved
-                if (iter_num % cfg.eval_interval == 0 or final) and not evaluated:
-                    losses = evaluate_model(raw_model, ds, cfg, ctx, device)
-                    val_loss, sharpness = losses["val"], losses.get("routing", {}).get("mean_max_weight", math.nan)
+                if evaluate_now(iter_num):
+                    losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
+                    val_loss = losses["val"]
                     record.log(kind="eval", step=iter_num, train_loss=losses["train"], val_loss=val_loss,
                                elapsed=time.time() - t_start, cpu_s=time.process_time() - cpu_start,
                                routing=losses.get("routing"))
-                    bar.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}"
-                              + (f", routing max weight {sharpness:.3f}" if math.isfinite(sharpness) else ""))
-                    if val_loss < best_val_loss:  # (NaN sharpness: every router reads one source, N = 1)
+                    said = f"step {iter_num}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}"
+                    sharpness = losses.get("routing", {}).get("mean_max_weight", math.nan)  # NaN: one source each
+                    if math.isfinite(sharpness):
+                        said += f", routing max weight {sharpness:.3f}"
+                    bar.write(said)
+                    if val_loss < best_val_loss:
                         best_val_loss = val_loss
                         if iter_num > 0:
                             checkpoint(out_dir / "best.pt")
                 # last.pt every ckpt_interval steps and at the end (always one, even for a short run)
-                due = (iter_num % cfg.ckpt_interval == 0 or final) and iter_num > start_step
-                if due or (final and saved_step is None):
+                if save_now(iter_num):
                     checkpoint(out_dir / "last.pt")
-                    saved_step = iter_num
-                if final:
+                    saved_at = iter_num
+                if iter_num >= cfg.max_iters:
                     break
 
                 # determine and set the learning rate for this iteration
@@ -329,8 +352,9 @@ def train(cfg):
                 t0 = time.time()
                 # ---------------- TRAINING STEP BEGIN ----------------
                 # batches and dropout come from (seed, step): a resumed run, and any world size, redraw the same
-                torch.manual_seed(derive_seed(cfg.seed, 2, iter_num, rank))
-                starts = batch_starts(ds.train, cfg.block_size, cfg.batch_size * accum * world_size, (cfg.seed, 0, iter_num))
+                torch.manual_seed(derive_seed(cfg.seed, DROPOUT, iter_num, rank))
+                starts = batch_starts(ds.train, cfg.block_size, cfg.batch_size * accum * world_size,
+                                      (cfg.seed, TRAIN_BATCHES, iter_num))
                 loss_sum = torch.zeros((), device=device)
                 # forward backward update, with optional gradient accumulation to simulate larger batch size
                 for micro in range(accum):
@@ -355,16 +379,17 @@ def train(cfg):
                 if stop_now:  # a signal: this step's gradients are dropped (resuming redoes it) and the run stops
                     checkpoint(out_dir / "last.pt")
                     bar.close()
-                    message = f"stopped by signal at step {iter_num}; checkpoint {out_dir / 'last.pt'} written " \
-                              f"(continue with --resume)"
+                    message = (f"stopped by signal at step {iter_num}; checkpoint {out_dir / 'last.pt'} written "
+                               f"(continue with --resume)")
                     if master:
                         print(message)
                     raise KeyboardInterrupt(message)
-                kept = f"{out_dir / 'last.pt'} still holds step {saved_step}" if saved_step is not None else \
-                    "no checkpoint was written yet"
+                kept = "no checkpoint was written yet"
+                if saved_at is not None:
+                    kept = f"{out_dir / 'last.pt'} still holds step {saved_at}"
                 if not math.isfinite(loss):
-                    raise TrainError(f"loss is {loss} at step {iter_num}; stopped without applying it, {kept} (lower "
-                                     f"--learning-rate or check the data)")
+                    raise TrainError(f"loss is {loss} at step {iter_num}; stopped without applying it, {kept} "
+                                     f"(lower --learning-rate or check the data)")
                 # clip the gradient
                 scaler.unscale_(optimizer)
                 norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or float("inf"))
@@ -381,6 +406,7 @@ def train(cfg):
 
                 # timing and logging
                 iter_num += 1
+                lock.started()  # a step is done: from here a failure keeps the run's files
                 dt = time.time() - t0
                 tok_s = tokens_per_iter / dt
                 mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, device) if master else None
@@ -434,7 +460,8 @@ def config_from_args(argv):
 
 
 def main(argv=None):
-    """`python train.py ...`: parse options, train, and turn bad input into one line and exit 1 (130 when interrupted)."""
+    """`python train.py ...` and `python cli.py train ...`: parse the options, train, say how it ended; bad input
+    becomes one line and exit status 1, an interrupted run exits 130."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print("usage: python train.py [--preset P] [--FIELD VALUE ...]   (or python cli.py train ...)\n")
@@ -443,13 +470,17 @@ def main(argv=None):
     try:
         cfg = config_from_args(argv)
         apply_process_settings(cfg)
-        train(cfg)
-        end_torchrun_process()
+        summary = train(cfg)
     except KeyboardInterrupt:
         sys.exit(130)
     except DeltaGPTError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    if summary.get("val_loss") is not None and int(os.environ.get("RANK", 0)) == 0:
+        where = "evaluated only, nothing written" if cfg.eval_only else f"checkpoints in {out_dir_of(cfg)}"
+        print(f"done: val loss {summary['val_loss']:.4f} (perplexity {math.exp(summary['val_loss']):.2f}, the mean "
+              f"of {cfg.eval_iters} fixed batches) after {summary['iter_num']} steps; {where}")
+    end_torchrun_process()
 
 
 if __name__ == "__main__":

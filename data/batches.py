@@ -3,6 +3,7 @@ import numpy as np
 import torch
 
 EVAL_SEED = 20260518  # seeds the fixed evaluation batches, the same whatever the training seed
+TRAIN_BATCHES, EVAL_BATCHES, DROPOUT = 0, 1, 2  # the streams of random numbers a run draws: one tag in each key
 
 
 def batch_starts(arr, block_size, count, key):
@@ -22,5 +23,5 @@ def get_batch(arr, block_size, starts, device):
 def eval_batch(ds, split, k, batch_size, block_size, device):
     """Evaluation batch k of a split: the same for every evaluation of every run, whatever the seed."""
     arr = ds.val if split == "val" else ds.train
-    key = (EVAL_SEED, 1, int(split == "val"), k)  # four numbers: never a training step's key (seed, 0, step)
+    key = (EVAL_SEED, EVAL_BATCHES, int(split == "val"), k)  # never a training step's key (seed, TRAIN_BATCHES, step)
     return get_batch(arr, block_size, batch_starts(arr, block_size, batch_size, key), device)

@@ -159,13 +159,18 @@ def resume_model(cfg, ckpt, meta):
     return model_from_checkpoint(ckpt, dropout=cfg.dropout, fast_routing=cfg.fast_routing)
 
 
-def model_from_gpt2(cfg, tokenizer, route):
+def run_options(cfg):
+    """The model fields a run sets on weights it starts from (--init-from): its routing, dropout and path."""
+    return {k: getattr(cfg, k) for k in ROUTE_FIELDS + ("dropout", "fast_routing")}
+
+
+def model_from_gpt2(cfg, tokenizer):
     """--init-from gpt2 (-medium, -large, -xl): OpenAI's weights (through transformers), this run's routing at zero
     init, cropped to --block-size; the dataset must be GPT-2 BPE."""
     if tokenizer != "gpt2":
         raise ConfigError(f"--init-from {cfg.init_from} needs a GPT-2 BPE dataset; {cfg.dataset} is {tokenizer}")
     try:
-        model = GPT.from_pretrained(cfg.init_from, route)
+        model = GPT.from_pretrained(cfg.init_from, run_options(cfg))
     except ValueError as e:  # no transformers package, or no network
         raise ConfigError(str(e)) from None
     if cfg.block_size < model.config.block_size:
@@ -173,7 +178,7 @@ def model_from_gpt2(cfg, tokenizer, route):
     return model
 
 
-def model_from_init_checkpoint(cfg, meta, route, master):
+def model_from_init_checkpoint(cfg, meta, master):
     """--init-from PATH: the checkpoint's weights with this run's routing (kept only if it routes the same way)."""
     src = load_checkpoint(cfg.init_from)
     check_tokenizer(src, meta, cfg.init_from)
@@ -181,7 +186,7 @@ def model_from_init_checkpoint(cfg, meta, route, master):
     diff = arch_diff(src["model_config"], wanted, [k for k in ARCH_FIELDS if k not in ROUTE_FIELDS])
     if diff:
         raise ConfigError(f"--init-from {cfg.init_from} has a different architecture: {'; '.join(diff)}")
-    model = model_from_checkpoint(src, **route)
+    model = model_from_checkpoint(src, **run_options(cfg))
     was = src["model_config"]
     if master and was["residual"] != "baseline" and routing_changed(was, model.config):
         print(f"note: the {was['residual']} routing of --init-from {cfg.init_from} is dropped: " +

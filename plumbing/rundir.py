@@ -103,10 +103,12 @@ def claim_run_dir(cfg, master):
 
 class RunLock:
     """An OS lock on out_dir/run.lock for the whole run, so two trainings never write one run directory; the
-    kernel drops it however the process ends. A run that fails before started() leaves the folder as it found it."""
+    kernel drops it however the process ends. A run that fails (or is quit at once) before started() leaves the
+    folder as it found it: the files of a run that claimed it, the lock file and the folders it made are removed."""
 
     def __init__(self, out_dir, active):
         self.path, self.file, self.made, self.before, self.setup_done = Path(out_dir) / "run.lock", None, [], None, False
+        self.owns_files = False  # set by claim(): the run files in the folder are this new run's
         if not active:
             return
         try:
@@ -134,14 +136,21 @@ class RunLock:
         self.file.write(f"{os.getpid()}\n")
         self.file.flush()
 
+    def claim(self):
+        """A new run has the folder (claim_run_dir): the run files written there from now on are its own."""
+        self.owns_files = True
+
     def started(self):
-        """The run has begun: from here a failure leaves its files (and the lock file) in place."""
+        """The run has done a step: from here a failure leaves its files (and the lock file) in place."""
         self.setup_done = True
 
     def undo(self):
-        """A run that failed to start: put back the lock file's old content or remove it, and the folders it made."""
+        """A run that failed to start: remove the files of a run that claimed the folder, put back the lock
+        file's old content or remove it, and the folders it made."""
         if self.file is None:
             return
+        for name in RUN_FILES if self.owns_files else ():
+            (self.path.parent / name).unlink(missing_ok=True)
         if self.before is not None:
             self.file.seek(0)
             self.file.truncate()
@@ -152,6 +161,19 @@ class RunLock:
         for folder in self.made:
             with contextlib.suppress(OSError):  # only while empty
                 folder.rmdir()
+
+    def quit_now(self):
+        """A second signal: one line on the way out, and the folder as promised (StopFlag then ends the process)."""
+        folder = self.path.parent
+        if not self.setup_done:
+            self.undo()
+            said = f"before the run's first step: {folder} is left as it was"
+        elif (folder / "last.pt").exists():
+            said = f"{folder / 'last.pt'} holds the run's last checkpoint (continue with --resume)"
+        else:
+            said = f"the run wrote no checkpoint yet; start it again with --overwrite"
+        print(f"stopped at once by a second signal, without a checkpoint of the current step; {said}",
+              file=sys.stderr, flush=True)
 
     def release(self):
         if self.file is not None:
@@ -168,11 +190,13 @@ class RunLock:
 
 
 class StopFlag:
-    """SIGINT/SIGTERM set a flag (the loop then checkpoints and exits); a second one ends the process at once, even
-    inside a long torch op, where Python's own handlers wait for the op to return."""
+    """SIGINT/SIGTERM set a flag (the loop then checkpoints and exits), saying so at once; a second one ends the
+    process at once, even inside a long torch op, where Python's own handlers wait for the op to return
+    (on_second runs first: it says what is left)."""
 
-    def __init__(self):
+    def __init__(self, master=True, on_second=None):
         self.signal, self.previous, self.wakeup = None, {}, None
+        self.master, self.on_second = master, on_second
 
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
@@ -183,20 +207,25 @@ class StopFlag:
         read, write = os.pipe()
         os.set_blocking(write, False)
         self.wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False), read, write
-        threading.Thread(target=self.second_signal_ends, args=(read,), daemon=True).start()
+        threading.Thread(target=self.count_signals, args=(read,), daemon=True).start()
         return self
 
     def handle(self, signum, frame):
         self.signal = signum
 
-    @staticmethod
-    def second_signal_ends(read):
+    def count_signals(self, read):
         count = 0
         while (got := os.read(read, 1)):
-            if got[0] in (signal.SIGINT, signal.SIGTERM):
-                count += 1
-                if count == 2:
-                    os._exit(128 + got[0])  # 130 for Ctrl-C, as a shell reports it
+            if got[0] not in (signal.SIGINT, signal.SIGTERM):
+                continue
+            count += 1
+            if count == 1 and self.master:
+                print("stopping: the run ends after the current step or evaluation, with a checkpoint (a second "
+                      "Ctrl-C quits at once, without one)", file=sys.stderr, flush=True)
+            if count == 2:
+                if self.on_second is not None:
+                    self.on_second()
+                os._exit(128 + got[0])  # 130 for Ctrl-C, as a shell reports it
         os.close(read)
 
     def __exit__(self, *exc):

@@ -96,6 +96,17 @@ def test_report_one_and_two_checkpoints(runs, tmp_path):
     final = next(line for line in out.splitlines() if line.startswith("| final |"))
     assert final.split("|")[2].strip() == "-" and final.split("|")[6].strip() == "3"
     assert matplotlib.image.imread(tmp_path / "two" / "report.png").shape[1] > png.shape[1]
+    # one mode twice: the labels say what differs, or where each checkpoint is when nothing does
+    ok("convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "attnres", "--n-route-blocks", 4,
+       "--out", tmp_path / "b.pt", "--eval-iters", 1)
+    ok("report", "--ckpt", tmp_path / "a.pt", "--ckpt", tmp_path / "b.pt", "--batches", 1, "--out", tmp_path / "ab")
+    assert set(json.loads((tmp_path / "ab" / "report.json").read_text())) == {
+        "attnres (n_route_blocks=2)", "attnres (n_route_blocks=4)"}
+    (tmp_path / "copy").mkdir()
+    shutil.copy(tmp_path / "a.pt", tmp_path / "copy" / "a.pt")
+    ok("report", "--ckpt", tmp_path / "a.pt", "--ckpt", tmp_path / "copy" / "a.pt", "--batches", 1, "--out", tmp_path / "aa")
+    assert set(json.loads((tmp_path / "aa" / "report.json").read_text())) == {str(tmp_path / "a.pt"),
+                                                                              str(tmp_path / "copy" / "a.pt")}
 
 
 @pytest.mark.parametrize("residual,exact", [("delta", True), ("attnres", True), ("delta_block", False)])

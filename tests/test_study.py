@@ -244,6 +244,9 @@ def test_interrupted_study_resumes_where_it_stopped(tiny_data, tmp_path, monkeyp
     class SignalAtStep2:  # as Ctrl-C would: the loop reads the flag once a step, and sees the signal at step 2
         reads = 0
 
+        def __init__(self, *args):
+            pass
+
         def __enter__(self):
             return self
 

@@ -169,7 +169,35 @@ def test_a_second_signal_ends_the_process_inside_a_long_op(second):
         stdout, stderr = p.communicate(timeout=30)  # well before the op could return
     finally:
         p.kill()
-    assert p.returncode == 128 + second and "the op returned" not in stdout and not stderr
+    assert p.returncode == 128 + second and "the op returned" not in stdout
+    assert stderr.strip() == ("stopping: the run ends after the current step or evaluation, with a checkpoint (a "
+                              "second Ctrl-C quits at once, without one)")
+
+
+@pytest.mark.slow  # a subprocess
+def test_a_second_signal_before_the_first_step_leaves_the_folder_as_it_was(tiny_data, tmp_path):
+    """Ctrl-C twice during a fresh run's first (slow) evaluation: one line on each, and no file of the run left."""
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import train as T\n"
+            "def slow(*a, **k):\n    print('evaluating', flush=True); time.sleep(60)\n"
+            "T.estimate_loss = slow\n"
+            "T.main(['--dataset', 'tiny', '--data-dir', sys.argv[2], '--out-dir', sys.argv[3], '--n-layer', '1',"
+            " '--n-embd', '16', '--n-head', '2', '--block-size', '16', '--max-iters', '2', '--no-progress'])")
+    run = tmp_path / "new" / "run"
+    p = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tiny_data), str(run)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip().endswith("each loss below is the mean of 20 fixed batches of its split")
+        assert p.stdout.readline().strip() == "evaluating"
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and stderr.splitlines()[-1] == (
+        f"stopped at once by a second signal, without a checkpoint of the current step; before the run's first "
+        f"step: {run} is left as it was")
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.slow  # a subprocess

@@ -97,7 +97,7 @@ def train_side_by_side(todo, jobs, echo=print):
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
     pending, running, failed, passed_on = list(todo), [], [], False
-    with StopFlag() as stop:
+    with StopFlag(master=False) as stop:  # compare says itself what a signal does
         while running or pending and not failed and stop.signal is None:
             while pending and len(running) < jobs and not failed and stop.signal is None:
                 r, state = pending.pop(0)

@@ -13,6 +13,7 @@ Written JSON is strict: a statistic with no value (one source) is null, not NaN.
 import json
 import math
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch
 import data
 from errors import ConfigError
 from plumbing.checkpoint import checkpoint_dataset, load_model
-from plumbing.config import at_least_one, mode_label
+from plumbing.config import ARCH_FIELDS, at_least_one, mode_label
 from plumbing.routing_stats import routing_stats
 from plumbing.rundir import check_folder, jsonable
 
@@ -216,11 +217,15 @@ def report_checkpoints(paths, out=None, batches=8, batch_size=8, data_dir=None, 
             raise ConfigError(f"{path} is a baseline model: it has no routing to report; train or convert a routed "
                               f"one (--residual attnres, delta or delta_block)")
         loaded.append((path, model, checkpoint_dataset(ckpt, path, data_dir=data_dir)))
+    labels = [mode_label(model.config) for _, model, _ in loaded]
+    if len(labels) == 2 and labels[0] == labels[1]:  # one mode twice: what differs between them, else their paths
+        a, b = (asdict(model.config) for _, model, _ in loaded)
+        differ = [k for k in ARCH_FIELDS if a[k] != b[k]]
+        labels = [f"{label} ({', '.join(f'{k}={c[k]}' for k in differ)})" for label, c in zip(labels, (a, b))]
+        if not differ:
+            labels = [str(p) for p in paths]
     reports = []
-    for path, model, ds in loaded:
-        label = mode_label(model.config) if len({str(p) for p in paths}) == len(paths) else str(path)
-        if any(label == l for l, _ in reports):
-            label = f"{label} ({Path(path).parent.name})"
+    for (path, model, ds), label in zip(loaded, labels):
         device = model.lm_head.weight.device
         X = torch.cat([data.eval_batch(ds, "val", k, batch_size, model.config.block_size, device)[0] for k in range(batches)])
         reports.append((label, routing_stats(model, X)))
