@@ -68,7 +68,8 @@ class TrainConfig:
     route_sources: Optional[str] = option(None, "delta (block sums) or cumulative (stream snapshots)")
     route_weights: Optional[str] = option(None, "dynamic (per token, from the sources) or static (one learned weight per source: the control)")
     route_heads: Optional[int] = option(None, "H routing heads: each of H channel groups is routed apart (multi-head routing; default 1)")
-    fast_routing: bool = option(True, "the fused routing path (same numbers as the plain one; off: the plain path)")
+    fast_routing: bool = option(True, "route with the fast path (delta_gpt.py's last section); off: Router and Stream "
+                                      "as written (the cpu preset's default, so that what a student edits runs)")
     init_from: str = option("scratch", "scratch, a checkpoint path (any mode of the same shape: its weights, its routing if it routes the same way), or gpt2 / gpt2-medium / ...")
     # optimisation
     batch_size: int = option(12, "sequences per micro-step per rank")
@@ -111,8 +112,8 @@ class TrainConfig:
 PAPER = dict(dataset="fineweb_edu", block_size=2048, max_iters=10000, learning_rate=6e-4, min_lr=6e-5, warmup_iters=1000,
              beta2=0.95, eval_interval=500, eval_iters=100, ckpt_interval=500)  # the paper's recipe
 PRESETS = {
-    # nanoGPT's CPU recipe: a few minutes on 2 cores
-    "cpu": dict(),
+    # nanoGPT's CPU recipe: a few minutes on 2 cores, where a class trains: on the routing code it reads
+    "cpu": dict(fast_routing=False),
     # nanoGPT's shakespeare_char GPU recipe (6 layers, 6 heads, 384 wide, context 256)
     "shakespeare_char": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, batch_size=64,
                              max_iters=5000, eval_iters=200, log_interval=10, ckpt_interval=500),

@@ -109,7 +109,7 @@ def test_bad_plan_input():
 
 def test_the_plain_routing_path_is_planned_apart_from_the_fast_one():
     """The plain router keeps O(S^2) stacked copies: a plan of it must not reuse the fast path's fit."""
-    fast = P.activations(small(residual="delta", n_layer=4), VOCAB)
+    fast = P.activations(small(residual="delta", n_layer=4, fast_routing=True), VOCAB)
     plain = P.activations(small(residual="delta", n_layer=4, fast_routing=False), VOCAB)
     assert plain > 1.5 * fast
     assert abs(plain - measured(small(residual="delta", n_layer=4, fast_routing=False))) <= 0.1 * plain

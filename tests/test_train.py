@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import data
+import delta_gpt
 import train as T
 from conftest import ROOT, cfg_for, cli_args, train_losses
 from delta_gpt import GPT, GPTConfig, RESIDUALS
@@ -664,6 +665,20 @@ def test_threads_option_is_a_process_setting_of_the_entry_point(monkeypatch):
 
 
 @pytest.mark.slow
+def test_the_cpu_preset_trains_on_the_code_a_student_reads(tiny_data, tmp_path, monkeypatch):
+    """The cpu preset (make train, the exercises) routes with Router.forward, so an edit of it shows in training;
+    every other preset takes the fast path."""
+    assert T.make_config("cpu").fast_routing is False and T.make_config("shakespeare_char").fast_routing is True
+    calls, forward = [], delta_gpt.Router.forward
+    monkeypatch.setattr(delta_gpt.Router, "forward",
+                        lambda self, sources: calls.append(len(sources)) or forward(self, sources))
+    T.train(cfg_for(tiny_data, tmp_path / "run", residual="delta", fast_routing=False, max_iters=1))
+    assert calls and max(calls) == 4  # 2 layers: the last sublayer reads e, v_1, v_2, v_3
+    calls.clear()
+    T.train(cfg_for(tiny_data, tmp_path / "fast", residual="delta", max_iters=1))  # the tests' runs: the fast path
+    assert not calls
+
+
 def test_fast_routing_is_a_training_option_not_architecture(tiny_data, tmp_path):
     """A run trained on the plain path resumes on the fast one (and the losses agree to float rounding)."""
     T.train(cfg_for(tiny_data, tmp_path / "plain", residual="delta", fast_routing=False, max_iters=4))
