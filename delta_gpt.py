@@ -1,13 +1,13 @@
 """
 A GPT-2 language model with four residual modes, in one file:
 
-  baseline     x_k = x_{k-1} + f_k(LN(x_{k-1}))                      the standard pre-norm residual
-  attnres      u_k = read(sources)             replacement routing    Kimi's (Block) Attention Residuals
-  delta        u_k = x_{k-1} + read(sources)   additive, per sublayer Delta Attention Residuals
-  delta_block  u_k = x_{k-1} + read(blocks)    additive, per block    Delta Block
+  baseline     x_k = x_{k-1} + f_k(LN(x_{k-1}))                    the standard pre-norm residual
+  attnres      u_k = read(sources)             replacement routing  Kimi's (Block) Attention Residuals
+  delta        u_k = x_{k-1} + read(sources)   additive, per layer  Delta Attention Residuals
+  delta_block  u_k = x_{k-1} + read(blocks)    additive, per block  Delta Block
 
-Every attention and every MLP is a sublayer f_k (k = 1..S, S = 2*n_layer) with output v_k = f_k(LN_k(u_k)).
-A sublayer's router holds a zero-initialised pseudo-query w and an RMSNorm gain g and reads its sources s_i:
+Every attention and every MLP is a sublayer f_k (k = 1..S, S = 2*n_layer), v_k = f_k(LN_k(u_k)). A
+sublayer's router holds a zero-initialised pseudo-query w and an RMSNorm gain g and reads its sources s_i:
 
     alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
 
@@ -18,10 +18,10 @@ invariant); plain delta_block and route_sources="cumulative" do not. docs/method
 full. The code follows nanoGPT's model.py, names included.
 
 Read top-down: LayerNorm, attention, MLP, the Router, the Stream (where the four modes differ), Block,
-GPTConfig, GPT. The file's last section is a fast path for routing (the same numbers, activation memory
-linear in depth, fewer passes), on by default (GPTConfig.fast_routing); a first reading can skip it.
-By default Router.forward and Stream.read are NOT run (the fast path replaces them): to run the code you
-read, train with --no-fast-routing (GPTConfig(fast_routing=False)); tests hold the two paths equal.
+GPTConfig, GPT. The file's last section is a fast path for routing (the same numbers to float rounding,
+activation memory linear in depth, fewer passes); a first reading can skip it. Which path runs is
+GPTConfig.fast_routing: the cpu preset, where a class trains, runs Router and Stream as written, so an edit
+of them shows; every other preset and the study files take the fast path. Tests hold the two paths equal.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
