@@ -155,6 +155,26 @@ def test_bench(monkeypatch):
     assert "| delta_block-h2 |" in out and "| delta_block-static-h2 |" in out
     config = bench.make(bench.CONFIGS["cpu"][0], "delta_block-static-h2").config
     assert (config.residual, config.route_weights, config.route_heads) == ("delta_block", "static", 2)
+    # the ratio columns: the best round's and the median of each round's ratio, both 1 for the baseline
+    assert rows[0]["paired_x"] == 1.0 and rows[1]["paired_x"] > 0 and "x median" in out
+
+
+def test_bench_profile(monkeypatch):
+    """bench --profile: per mode and pass, routing's milliseconds, its share of the step and its largest operations."""
+    from workbench import bench
+    from delta_gpt import GPTConfig
+    monkeypatch.setitem(bench.CONFIGS, "w128", (GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), 2))
+    out = ok("bench", "--config", "w128", "--profile", "--steps", 1, "--residual", "baseline,attnres-h2,delta_block")
+    lines = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in out.splitlines()
+             if line.startswith("| ") and not line.startswith("| mode")}
+    assert set(lines) == {(m, p) for m in ("baseline", "attnres-h2", "delta_block") for p in ("forward", "backward")}
+    assert "RouteRead (Python)" in lines["attnres-h2", "forward"] and "Score (Python)" in lines["delta_block", "forward"]
+    assert "RouteReadBackward (Python)" in lines["attnres-h2", "backward"]
+    routing_ms = lambda line: float(line.strip("|").split("|")[3])
+    assert routing_ms(lines["attnres-h2", "forward"]) > routing_ms(lines["baseline", "forward"])
+    # the stream methods are restored after profiling: a model runs unlabelled again
+    from delta_gpt import Stream, FastStream
+    assert Stream.read.__qualname__ == "Stream.read" and FastStream.read.__qualname__ == "FastStream.read"
 
 
 @pytest.mark.slow
@@ -225,6 +245,14 @@ def test_unknown_mode_and_preset(runs, tmp_path):
     refused("route_heads=3 must be a whole number that divides n_embd=128", "bench", "--config", "cpu", "--residual", "delta-h3")
     refused("unknown --malloc 'huge'", "bench", "--malloc", "huge")
     refused("n_embd=66 is not divisible by n_head=4", "bench", "--config", "cpu", "--n-embd", "66")
+    refused("--n-layer must be at least 1, got 0", "bench", "--config", "w128", "--n-layer", "0")
+    refused("--threads must be at least 1, got 0", "bench", "--threads", "0")
+    refused("--steps must be at least 1, got 0", "bench", "--profile", "--steps", "0")
+    refused("--steps sets how many steps --profile records", "bench", "--steps", "3")
+    refused("route_heads=3 must be a whole number that divides n_embd=128", "bench", "--config", "w128",
+            "--residual", "attnres-h3")
+    refused("unknown mode 'baseline-h4'", "bench", "--config", "w128", "--residual", "baseline-h4", "--profile")
+    refused("unknown --config 'study'; choose one of cpu, w128, d768 or all", "bench", "--config", "study")
     refused("is not a routed mode", "convert", "--ckpt", runs / "baseline" / "last.pt", "--residual", "resnet",
             "--out", tmp_path / "x.pt")
     refused("already a delta model", "convert", "--ckpt", runs / "delta" / "last.pt", "--residual", "attnres",

@@ -232,6 +232,14 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setattr(T, "train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
     again = ok("compare", "--study", path, "--out", out)
     assert "8 finished, 0 to train" in again and again.count("reusing the finished run") == 8
+    # --clock cpu reads equal time on each run's own CPU time, which train records beside its wall time
+    cpu = ok("compare", "--study", path, "--out", out, "--clock", "cpu")
+    assert "vs ref, equal CPU time" in cpu and "total CPU time of each pair" in (out / "compare.md").read_text()
+    summaries = json.loads((out / "compare.json").read_text())["runs"]
+    for r in summaries:
+        evals = [m for m in RD.read_metrics(r["out_dir"]) if m["kind"] == "eval"]
+        assert r["elapsed"] == evals[-1]["cpu_s"] and 0 < evals[-1]["cpu_s"]
+    refused("unknown --clock 'sundial'; choose wall or cpu", "compare", "--study", path, "--out", out, "--clock", "sundial")
 
 
 @pytest.mark.slow

@@ -42,6 +42,11 @@ def test_resume_is_bit_exact(tiny_data, tmp_path, residual):
     assert CK.load_checkpoint(tmp_path / "half" / "last.pt")["iter_num"] == 8
     rows = RD.read_metrics(tmp_path / "half")
     assert any(r["kind"] == "resume" and r["changed"]["max_iters"] == [4, 8] for r in rows)
+    # the clocks count on across the resume: wall time and the process's CPU time, beside each evaluation
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4, 8] and all(r["cpu_s"] > 0 for r in evals[1:])
+    assert evals[2]["cpu_s"] > evals[1]["cpu_s"] and evals[2]["elapsed"] > evals[1]["elapsed"]
+    assert CK.load_checkpoint(tmp_path / "half" / "last.pt")["cpu_elapsed"] >= evals[2]["cpu_s"] * 0.99
 
 
 def test_gradient_accumulation_equals_one_big_batch(tiny_data, tmp_path):
