@@ -2,26 +2,28 @@
 A GPT-2 language model with four residual modes, in one file:
 
   baseline     x_k = x_{k-1} + f_k(LN(x_{k-1}))                    the standard pre-norm residual
-  attnres      u_k = read(sources)             replacement routing  Kimi's (Block) Attention Residuals
-  delta        u_k = x_{k-1} + read(sources)   additive, per layer  Delta Attention Residuals
-  delta_block  u_k = x_{k-1} + read(blocks)    additive, per block  Delta Block
+  attnres      u_k = read(sources)            replacement routing  Kimi's (Block) Attention Residuals
+  delta        u_k = x_{k-1} + read(sources)  additive, per layer  Delta Attention Residuals
+  delta_block  u_k = x_{k-1} + read(blocks)   additive, per block  Delta Block
 
 Every attention and every MLP is a sublayer f_k (k = 1..S, S = 2*n_layer), v_k = f_k(LN_k(u_k)). A
-sublayer's router holds a zero-initialised pseudo-query w and an RMSNorm gain g and reads its sources s_i:
+sublayer's router holds a zero-initialised pseudo-query w and an RMSNorm gain g and reads its
+sources s_i:
 
     alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
 
-The sources are the pieces of the residual stream: the embedding e and the sublayer outputs v_1..v_{k-1},
-or their sums over blocks of sublayers. They telescope (sum to x_{k-1}) in attnres, delta and delta_block
-with route_partial, so with all queries at zero those compute the baseline's function (LayerNorm is scale
-invariant); plain delta_block and route_sources="cumulative" do not. docs/method.md states the method in
-full. The code follows nanoGPT's model.py, names included.
+The sources are the pieces of the residual stream: the embedding e and the sublayer outputs
+v_1..v_{k-1}, or their sums over blocks of sublayers. They telescope (sum to x_{k-1}) in attnres,
+delta and delta_block with route_partial, so with all queries at zero those compute the baseline's
+function (LayerNorm is scale invariant); plain delta_block and route_sources="cumulative" do not.
+docs/method.md states the method in full. The code follows nanoGPT's model.py, names included.
 
-Read top-down: LayerNorm, attention, MLP, the Router, the Stream (where the four modes differ), Block,
-GPTConfig, GPT. The file's last section is a fast path for routing (the same numbers to float rounding,
-activation memory linear in depth, fewer passes); a first reading can skip it. Which path runs is
-GPTConfig.fast_routing: the cpu preset, where a class trains, runs Router and Stream as written, so an edit
-of them shows; every other preset and the study files take the fast path. Tests hold the two paths equal.
+Read top-down: LayerNorm, attention, MLP, the Router, the Stream (where the four modes differ),
+Block, GPTConfig, GPT. The file's last section is a fast path for routing (the same numbers to float
+rounding, activation memory linear in depth, fewer passes); a first reading can skip it. Which path
+runs is GPTConfig.fast_routing: the cpu preset, where a class trains, runs Router and Stream as
+written, so an edit of them shows; every other preset and the study files take the fast path. Tests
+hold the two paths equal.
 
 References:
 1) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
@@ -42,9 +44,11 @@ from torch.utils.checkpoint import checkpoint
 
 RESIDUALS = ("baseline", "attnres", "delta", "delta_block")
 ROUTE_SOURCES = ("delta", "cumulative")
-ROUTE_WEIGHTS = ("dynamic", "static")  # per-token weights from the sources, or one learned weight per source
+# per-token weights from the sources, or one learned weight per source
+ROUTE_WEIGHTS = ("dynamic", "static")
 ROUTE_EPS = 1e-6  # RMSNorm eps of the router keys
-ROUTING_FIELDS = ("n_route_blocks", "route_partial", "route_sources", "route_weights", "route_heads")  # GPTConfig's routing options
+ROUTING_FIELDS = ("n_route_blocks", "route_partial", "route_sources",  # GPTConfig's routing options
+                  "route_weights", "route_heads")
 GPT2_MODELS = {  # the Hugging Face GPT-2 weights from_pretrained loads, with their shapes
     'gpt2':         dict(n_layer=12, n_head=12, n_embd=768),  # 124M params
     'gpt2-medium':  dict(n_layer=24, n_head=16, n_embd=1024), # 350M params
@@ -67,7 +71,8 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    flash = True  # SDPA (flash attention) is the fast path; False runs the readable manual path below
+    # SDPA (flash attention) is the fast path; False runs the readable manual path below
+    flash = True
 
     def __init__(self, config):
         super().__init__()
@@ -96,14 +101,16 @@ class CausalSelfAttention(nn.Module):
                 k = torch.cat([kv[0], k], dim=2) # (B, nh, P+T, hs)
                 v = torch.cat([kv[1], v], dim=2)
             kv[:] = [k, v]
-        P = k.size(2) - T if kv is not None else 0  # cached positions before the new T (a plain int in training)
+        # cached positions before the new T (a plain int in training)
+        P = k.size(2) - T if kv is not None else 0
 
         # causal self-attention; Self-attend: (B, nh, T, hs) x (B, nh, hs, P+T) -> (B, nh, T, P+T)
         if self.flash:
             if P == 0 or T == 1:  # a plain causal square, or one new query that sees everything
                 mask, causal = None, P == 0
             else:
-                mask, causal = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P), False
+                mask, causal = (torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P),
+                                False)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                dropout_p=self.dropout if self.training else 0)
         else:
@@ -139,38 +146,47 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Attention over depth: a sublayer's weighted read of its sources s_1..s_n (each (B, T, D)), per token,
+    """Attention over depth: a sublayer's per-token weighted read of its sources s_1..s_n (B, T, D),
         alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
-    with no 1/sqrt(D) and no temperature; w starts at zero (uniform weights), g at one. With H heads the D
-    channels are cut into H contiguous groups [h], each routed with its own weights:
+    with no 1/sqrt(D) and no temperature; w starts at zero (uniform weights), g at one. With H heads
+    the D channels are cut into H contiguous groups [h], each routed with its own weights:
         alpha_i^h = softmax_i(w_h . RMSNorm_g(s_i)[h])     read[h] = sum_i alpha_i^h * s_i[h]
-    The keys are normed over the full width, then cut, so a source's H head scores sum to its one-head score;
-    no parameter is added. Static routing (the control): alpha_i^h = softmax_i(b_i^h), one learned logit per
-    source and head, zero-init, the same for every token. Logits and softmax run in float32 (float64 in a
-    float64 model), also under autocast."""
+    The keys are normed over the full width, then cut, so a source's H head scores sum to its
+    one-head score; no parameter is added. Static routing (the control):
+    alpha_i^h = softmax_i(b_i^h), one learned logit per source and head, zero-init, the same for
+    every token. Logits and softmax run in float32 (float64 in a float64 model), also under
+    autocast."""
 
     def __init__(self, n_embd, heads=1, static_sources=None):
         super().__init__()
         self.heads, self.static = heads, static_sources is not None
         if self.static:  # b: one logit per source (and head); no query, no keys
-            self.logits = nn.Parameter(torch.zeros(static_sources) if heads == 1 else torch.zeros(heads, static_sources))
+            if heads == 1:
+                self.logits = nn.Parameter(torch.zeros(static_sources))
+            else:
+                self.logits = nn.Parameter(torch.zeros(heads, static_sources))
         else:
             self.query = nn.Parameter(torch.zeros(n_embd))  # w
-            self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)   # RMSNorm_g: its weight is the key gain g
+            self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)  # RMSNorm_g: its weight is the key gain g
 
     def forward(self, sources):
-        """sources: n tensors (B, T, D) -> read (B, T, D), alpha (B, T, n), or (B, T, H, n) with heads."""
+        """sources: n tensors (B, T, D) -> read (B, T, D), alpha (B, T, n),
+        or (B, T, H, n) with heads."""
         H = self.heads
         with torch.autocast(sources[0].device.type, enabled=False):
-            s = [upcast(s_i).unflatten(-1, (H, -1)) for s_i in sources]         # s_i[h], (B, T, H, D/H)
+            s = [upcast(s_i).unflatten(-1, (H, -1)) for s_i in sources]  # s_i[h], (B, T, H, D/H)
             if self.static:
-                logits = upcast(self.logits).view(H, -1).expand(*s[0].shape[:2], H, -1)  # b_i^h, (B, T, H, n)
+                # b_i^h, (B, T, H, n)
+                logits = upcast(self.logits).view(H, -1).expand(*s[0].shape[:2], H, -1)
             else:
-                w = upcast(self.query).view(H, -1)                               # w_h, (H, D/H)
-                keys = [self.norm(upcast(s_i)).unflatten(-1, (H, -1)) for s_i in sources]  # RMSNorm_g(s_i)[h]
-                logits = torch.stack([(k * w).sum(-1) for k in keys], dim=-1)    # w_h . RMSNorm_g(s_i)[h]
-            alpha = logits.softmax(dim=-1)                                       # over the sources, per head
-            read = sum(alpha[..., i, None] * s_i for i, s_i in enumerate(s))    # read[h] = sum_i alpha_i^h s_i[h]
+                w = upcast(self.query).view(H, -1)  # w_h, (H, D/H)
+                # RMSNorm_g(s_i)[h]
+                keys = [self.norm(upcast(s_i)).unflatten(-1, (H, -1)) for s_i in sources]
+                # w_h . RMSNorm_g(s_i)[h]
+                logits = torch.stack([(k * w).sum(-1) for k in keys], dim=-1)
+            alpha = logits.softmax(dim=-1)  # over the sources, per head
+            # read[h] = sum_i alpha_i^h s_i[h]
+            read = sum(alpha[..., i, None] * s_i for i, s_i in enumerate(s))
         return read.flatten(-2).to(sources[0].dtype), alpha.squeeze(-2) if H == 1 else alpha
 
 
@@ -180,36 +196,42 @@ def upcast(t):
 
 
 class Stream:
-    """The residual stream of one forward pass: what sublayer k reads (u_k) and where its output v_k goes.
+    """The residual stream of one forward pass: what sublayer k reads (u_k) and where its output
+    v_k goes.
 
     `read(router)` gives u_k, `write(v)` takes v_k. The four modes differ only here, by two flags:
-      baseline             keeps_stream             u_k = x_{k-1}                  (router is None)
-      delta, delta_block   keeps_stream and routed  u_k = x_{k-1} + read(sources)  (additive routing)
-      attnres              routed                   u_k = read(sources)            (replacement; a final
-                                                                                    router reads all sources)
-    The sources are e and the completed blocks b_1, b_2, ... (each the sum of its sublayers' v's; per
-    sublayer, N = S, each v is a block), plus the current block's partial sum where it is routed and not
-    empty. route_sources="cumulative" swaps each source for the stream's value x at that boundary.
+      baseline            keeps_stream             u_k = x_{k-1}                  (router is None)
+      delta, delta_block  keeps_stream and routed  u_k = x_{k-1} + read(sources)  (additive routing)
+      attnres             routed                   u_k = read(sources)            (replacement)
+    and after the last sublayer attnres's final router reads all sources. The sources are e and the completed blocks b_1, b_2, ... (each the sum of its sublayers' v's;
+    per sublayer, N = S, each v is a block), plus the current block's partial sum where it is routed
+    and not empty. route_sources="cumulative" swaps each source for the stream's value x at that
+    boundary.
     """
 
     def __init__(self, e, config, record=None):
-        self.keeps_stream = config.residual != "attnres"  # a running stream x: every mode but replacement
+        # a running stream x: every mode but replacement
+        self.keeps_stream = config.residual != "attnres"
         self.routed = config.residual != "baseline"
-        self.x = e                                        # the running stream x_{k-1} (unused by attnres)
-        self.blocks = [e]                                 # e, then each completed block's source
-        self.partial = None                               # the current block's sum of v's so far
-        self.k = 0                                        # sublayers written so far
+        self.x = e                  # the running stream x_{k-1} (unused by attnres)
+        self.blocks = [e]           # e, then each completed block's source
+        self.partial = None         # the current block's sum of v's so far
+        self.k = 0                  # sublayers written so far
         self.block_len = config.n_sublayers // (config.n_route_blocks or 1)
         self.route_partial = config.route_partial
         self.cumulative = config.route_sources == "cumulative"
-        self.record = record                              # a list to collect (sources, alpha) for statistics
+        self.record = record        # a list to collect (sources, alpha) for statistics
 
     def as_source(self, s):
-        """A block's sum of v's as a source: itself, or for cumulative sources the stream at the block's end."""
-        return self.blocks[-1] + s if self.cumulative else s
+        """A block's sum of v's as a source: itself, or for cumulative sources the stream at the
+        block's end."""
+        if self.cumulative:
+            return self.blocks[-1] + s
+        return s
 
     def sources(self):
-        """What a router reads now: e and the completed blocks, and the partial sum if routed and not empty."""
+        """What a router reads now: e and the completed blocks, and the partial sum if routed and
+        not empty."""
         if self.partial is None or not self.route_partial:
             return list(self.blocks)
         return self.blocks + [self.as_source(self.partial)]
@@ -221,7 +243,9 @@ class Stream:
         read, alpha = router(sources)
         if self.record is not None:
             self.record.append((sources, alpha))
-        return self.x + read if self.keeps_stream else read
+        if self.keeps_stream:
+            return self.x + read
+        return read
 
     def write(self, v):
         self.k += 1
@@ -234,7 +258,8 @@ class Stream:
                 self.partial = None
 
     def output(self, final_router):
-        """x_S where the mode keeps a stream; for replacement routing the final router's read of all sources."""
+        """x_S where the mode keeps a stream; for replacement routing the final router's read of
+        all sources."""
         return self.x if self.keeps_stream else self.read(final_router)
 
 
@@ -248,7 +273,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.attn_router = make_router(config, 2 * i)      # None for the baseline
         self.mlp_router = make_router(config, 2 * i + 1)
-        self.recompute = False  # True: activation checkpointing, each f(LN(u)) runs again in backward
+        # True: activation checkpointing, each f(LN(u)) runs again in backward
+        self.recompute = False
 
     def forward(self, stream, kv=None):
         stream.write(self.sublayer(self.attn, self.ln_1, stream.read(self.attn_router), kv))
@@ -256,8 +282,8 @@ class Block(nn.Module):
         return stream
 
     def sublayer(self, f, ln, u, *args):
-        """v = f(LN(u)). With recompute (and grad enabled) its activations are not kept for backward but
-        computed again there; routing and the stream are not recomputed."""
+        """v = f(LN(u)). With recompute (and grad enabled) its activations are not kept for backward
+        but computed again there; routing and the stream are not recomputed."""
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(lambda u: f(ln(u), *args), u, use_reentrant=False)
         return f(ln(u), *args)
@@ -273,13 +299,17 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True # True: bias in Linears and LayerNorms, like GPT-2. False: a bit better and faster
     residual: str = "baseline" # baseline | attnres | delta | delta_block
-    # routing; None takes the mode's default (routing_defaults below), and stays None for the baseline
+    # routing; None takes the mode's default (routing_defaults below),
+    # and stays None for the baseline
     n_route_blocks: Optional[int] = None # N: the 2*n_layer sublayers cut into N blocks of sources
     route_partial: Optional[bool] = None # also route the current block's partial sum
     route_sources: Optional[str] = None # "delta" (block sums) or "cumulative" (stream snapshots)
-    route_weights: Optional[str] = None # "dynamic" (per token) or "static" (one learned logit per source)
-    route_heads: Optional[int] = None # H: route H contiguous channel groups apart (multi-head routing)
-    fast_routing: bool = True # the file's last section; False: Router and Stream as written. Not architecture
+    # "dynamic" (per token) or "static" (one learned logit per source)
+    route_weights: Optional[str] = None
+    # H: route H contiguous channel groups apart (multi-head routing)
+    route_heads: Optional[int] = None
+    # the file's last section; False: Router and Stream as written. Not architecture
+    fast_routing: bool = True
 
     def __post_init__(self):
         unset = {name for name in ROUTING_FIELDS if getattr(self, name) is None}
@@ -295,9 +325,11 @@ class GPTConfig:
 
 
 def routing_defaults(residual, n_layer):
-    """A routed mode's defaults: delta routes per sublayer, attnres and delta_block over 4 blocks; attnres reads
-    the current partial block (Kimi's definition), delta_block only completed ones (the paper's)."""
-    return dict(n_route_blocks=2 * n_layer if residual == "delta" else 4, route_partial=residual != "delta_block",
+    """A routed mode's defaults: delta routes per sublayer, attnres and delta_block over 4 blocks;
+    attnres reads the current partial block (Kimi's definition), delta_block only completed ones
+    (the paper's)."""
+    return dict(n_route_blocks=2 * n_layer if residual == "delta" else 4,
+                route_partial=residual != "delta_block",
                 route_sources="delta", route_weights="dynamic", route_heads=1)
 
 
@@ -306,8 +338,9 @@ def sources_per_router(cfg):
     if cfg.residual == "baseline":
         return []
     S, L = cfg.n_sublayers, cfg.n_sublayers // cfg.n_route_blocks
-    # sublayer k reads e, the (k - 1) // L blocks completed before it, and its own block's partial sum when
-    # routed and not empty: with L = 4 sublayer 6 reads e, b1 and b2's partial (v5), 3 sources
+    # sublayer k reads e, the (k - 1) // L blocks completed before it, and its own block's partial
+    # sum when routed and not empty:
+    # with L = 4 sublayer 6 reads e, b1 and b2's partial (v5), 3 sources
     counts = [1 + (k - 1) // L + (cfg.route_partial and (k - 1) % L > 0) for k in range(1, S + 1)]
     if cfg.residual == "attnres":
         counts.append(1 + cfg.n_route_blocks)  # the final router reads e and every block
@@ -315,11 +348,13 @@ def sources_per_router(cfg):
 
 
 def make_router(config, j):
-    """Router j (in the model's order), None for the baseline; static routing needs its number of sources."""
+    """Router j (in the model's order), None for the baseline;
+    static routing needs its number of sources."""
     if config.residual == "baseline":
         return None
     if config.route_weights == "static":
-        return Router(config.n_embd, config.route_heads, static_sources=sources_per_router(config)[j])
+        return Router(config.n_embd, config.route_heads,
+                      static_sources=sources_per_router(config)[j])
     return Router(config.n_embd, config.route_heads)
 
 
@@ -338,9 +373,11 @@ class GPT(nn.Module):
             h = nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
             ln_f = LayerNorm(config.n_embd, bias=config.bias),
         ))
-        if config.residual == "attnres":  # replacement routing: the output is itself a read of all sources
+        # replacement routing: the output is itself a read of all sources
+        if config.residual == "attnres":
             self.transformer.final_router = make_router(config, config.n_sublayers)
-        self.routers = [m for m in self.modules() if isinstance(m, Router)]  # in sublayer order, final last
+        # in sublayer order, final last
+        self.routers = [m for m in self.modules() if isinstance(m, Router)]
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # with weight tying when using torch.compile() some warnings get generated:
         # "UserWarning: functional_call was passed multiple values for tied weights.
@@ -364,8 +401,9 @@ class GPT(nn.Module):
         return n_params
 
     def _init_weights(self):
-        """Every init in one place: GPT-2's normal(0.02), with the residual projections (c_proj) scaled
-        by 1/sqrt(2*n_layer) per the GPT-2 paper; routers at zero query and unit gain (uniform routing)."""
+        """Every init in one place: GPT-2's normal(0.02), with the residual projections (c_proj)
+        scaled by 1/sqrt(2*n_layer) per the GPT-2 paper; routers at zero query and unit gain
+        (uniform routing)."""
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj") else 0.02
@@ -383,20 +421,23 @@ class GPT(nn.Module):
     def hidden(self, idx, kv_cache=None, record=None):
         """Token ids (B, T) -> final hidden states ln_f(output) (B, T, D).
         kv_cache: a list of per-layer [k, v] lists, filled and extended by generation.
-        record: a list that collects every router's (sources, alpha (B, T, n)), in order, for routing statistics."""
+        record: a list that collects every router's (sources, alpha (B, T, n)), in order,
+        for routing statistics."""
         device = idx.device
         b, t = idx.size()
         past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
         if past + t > self.config.block_size:
-            raise ValueError(f"Cannot forward sequence of length {past + t}, block size is only "
-                             f"{self.config.block_size}; crop the input to the last block_size tokens")
+            raise ValueError(f"Cannot forward sequence of length {past + t}, "
+                             f"block size is only {self.config.block_size}; "
+                             f"crop the input to the last block_size tokens")
         pos = torch.arange(past, past + t, dtype=torch.long, device=device) # shape (t)
 
         # forward the GPT model itself
         tok_emb = self.transformer.wte(idx) # token embeddings of shape (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos) # position embeddings of shape (t, n_embd)
         e = self.transformer.drop(tok_emb + pos_emb)
-        if self.config.fast_routing:  # the same numbers, computed the fast way (the file's last section)
+        # the same numbers, computed the fast way (the file's last section)
+        if self.config.fast_routing:
             stream = FastStream(e, self.config, self.routers, record)
         else:
             stream = Stream(e, self.config, record)
@@ -406,8 +447,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
-        Unlike nanoGPT, logits cover every position also without targets (tests and reports use them);
-        generate() projects only the last position."""
+        Unlike nanoGPT, logits cover every position also without targets (tests and reports use
+        them); generate() projects only the last position."""
         x = self.hidden(idx)
         logits = self.lm_head(x)
         loss = None
@@ -425,11 +466,12 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_type, override_args=None):
-        """HF GPT-2 weights (gpt2, gpt2-medium, gpt2-large, gpt2-xl) into any residual mode; routing starts
-        at zero init, so the routed modes that are exact at init reproduce GPT-2. Needs `transformers` and
-        the internet (or its local cache)."""
+        """HF GPT-2 weights (gpt2, gpt2-medium, gpt2-large, gpt2-xl) into any residual mode; routing
+        starts at zero init, so the routed modes that are exact at init reproduce GPT-2. Needs
+        `transformers` and the internet (or its local cache)."""
         if model_type not in GPT2_MODELS:
-            raise ValueError(f"unknown GPT-2 model {model_type!r}; choose one of {', '.join(GPT2_MODELS)}")
+            raise ValueError(f"unknown GPT-2 model {model_type!r}; "
+                             f"choose one of {', '.join(GPT2_MODELS)}")
         override_args = dict(override_args or {})
         allowed = {"dropout", "residual", *ROUTING_FIELDS, "fast_routing"}
         if set(override_args) - allowed:
@@ -437,26 +479,31 @@ class GPT(nn.Module):
         try:
             from transformers import GPT2LMHeadModel
         except ImportError:
-            raise ValueError("loading GPT-2 weights needs the transformers package: pip install transformers") from None
+            raise ValueError("loading GPT-2 weights needs the transformers package: "
+                             "pip install transformers") from None
         try:
             model_hf = GPT2LMHeadModel.from_pretrained(model_type)
         except OSError as e:
-            raise ValueError(f"could not fetch {model_type} from the Hugging Face hub: it needs the internet "
-                             f"or a local cache ({str(e).splitlines()[0]})") from None
+            raise ValueError(f"could not fetch {model_type} from the Hugging Face hub: it needs "
+                             f"the internet or a local cache ({str(e).splitlines()[0]})") from None
         print(f"loading weights from pretrained gpt: {model_type}")
-        config_args = dict(GPT2_MODELS[model_type])  # n_layer, n_head and n_embd are determined from model_type
-        config_args.update(vocab_size=50257, block_size=1024, bias=True) # always for GPT model checkpoints
+        # n_layer, n_head and n_embd are determined from model_type
+        config_args = dict(GPT2_MODELS[model_type])
+        # always for GPT model checkpoints
+        config_args.update(vocab_size=50257, block_size=1024, bias=True)
         config_args.update(override_args)
         return cls.from_hf_state_dict(model_hf.state_dict(), GPTConfig(**config_args))
 
     @classmethod
     def from_hf_state_dict(cls, sd_hf, config):
-        """Build a model of `config` from a Hugging Face GPT2LMHeadModel state_dict (the offline part of
-        from_pretrained): every key but the routing ones comes from sd_hf; routing stays at zero init."""
+        """Build a model of `config` from a Hugging Face GPT2LMHeadModel state_dict (the offline
+        part of from_pretrained): every key but the routing ones comes from sd_hf; routing stays at
+        zero init."""
         model = GPT(config)
         sd = model.state_dict()
         # the HF checkpoint's keys are ours minus the routing keys; drop its attention mask buffers
-        sd_hf = {k: v for k, v in sd_hf.items() if not k.endswith(('.attn.masked_bias', '.attn.bias'))}
+        sd_hf = {k: v for k, v in sd_hf.items()
+                 if not k.endswith(('.attn.masked_bias', '.attn.bias'))}
         expected = [k for k in sd if not is_routing_key(k)]
         assert len(sd_hf) == len(expected), f"mismatched keys: {len(sd_hf)} != {len(expected)}"
         # HF uses Conv1D modules (weights transposed against nn.Linear) for these
@@ -472,9 +519,11 @@ class GPT(nn.Module):
         """The routing parameters (pseudo-queries and key gains): empty for baseline."""
         return [p for router in self.routers for p in router.parameters()]
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, route_lr_mult=1.0):
-        """AdamW with three groups: 2-D weights decay; biases and norms don't; routing parameters have
-        no decay and lr = learning_rate * route_lr_mult. Each group carries 'lr_mult' for the schedule."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type,
+                             route_lr_mult=1.0):
+        """AdamW with three groups: 2-D weights decay; biases and norms don't; routing parameters
+        have no decay and lr = learning_rate * route_lr_mult. Each group carries 'lr_mult' for the
+        schedule."""
         route = {id(p) for p in self.route_parameters()}
         params = [p for p in self.parameters() if p.requires_grad]  # tied weights appear once
         decay = [p for p in params if p.dim() >= 2 and id(p) not in route]
@@ -485,7 +534,8 @@ class GPT(nn.Module):
             {'params': nodecay, 'weight_decay': 0.0, 'lr_mult': 1.0, 'name': 'no_decay'},
         ]
         if routing:
-            optim_groups.append({'params': routing, 'weight_decay': 0.0, 'lr_mult': route_lr_mult, 'name': 'routing'})
+            optim_groups.append({'params': routing, 'weight_decay': 0.0, 'lr_mult': route_lr_mult,
+                                 'name': 'routing'})
         for group in optim_groups:
             group['lr'] = learning_rate * group['lr_mult']
         # Create AdamW optimizer and use the fused version if it is available
@@ -496,13 +546,14 @@ class GPT(nn.Module):
         return optimizer
 
     def flops_per_token(self):
-        """Forward+backward FLOPs per token: nanoGPT's 6N + 12*L*H*Q*T (PaLM appendix B), plus routing:
-        each router reads n sources with a D-dim dot product and a D-dim weighted sum."""
+        """Forward+backward FLOPs per token: nanoGPT's 6N + 12*L*H*Q*T (PaLM appendix B), plus
+        routing: each router reads n sources with a D-dim dot product and a D-dim weighted sum."""
         N = self.get_num_params()
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd//cfg.n_head, cfg.block_size
         flops = 6*N + 12*L*H*Q*T
-        per_source = 2 if cfg.route_weights == "static" else 4  # the weighted sum; dynamic adds the key's dot product
+        # the weighted sum; dynamic adds the key's dot product
+        per_source = 2 if cfg.route_weights == "static" else 4
         return flops + 3 * per_source * cfg.n_embd * sum(self.sources_per_router())
 
     def sources_per_router(self):
@@ -519,21 +570,24 @@ class GPT(nn.Module):
         return flops_per_iter * (1.0/dt) / peak
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, generator=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
+                 generator=None):
         """
         Take a conditioning sequence of indices idx (LongTensor of shape (b,t)) and complete
         the sequence max_new_tokens times, feeding the predictions back into the model each time.
-        With use_cache the keys and values of earlier positions are kept, so each step runs only the new
-        token (routing is per token, so nothing else needs caching); the result equals use_cache=False.
-        Past block_size the context is cropped as in nanoGPT, and the cache is rebuilt for the window.
-        temperature 0 means greedy (argmax). Most likely you'll want to make sure to be in model.eval().
+        With use_cache the keys and values of earlier positions are kept, so each step runs only the
+        new token (routing is per token, so nothing else needs caching); the result equals
+        use_cache=False. Past block_size the context is cropped as in nanoGPT, and the cache is
+        rebuilt for the window. temperature 0 means greedy (argmax). Most likely you'll want to make
+        sure to be in model.eval().
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
         if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
-            raise ValueError(f"top_k={top_k} must be between 1 and the vocabulary size {self.config.vocab_size}")
+            raise ValueError(f"top_k={top_k} must be between 1 and the vocabulary size "
+                             f"{self.config.vocab_size}")
         block_size = self.config.block_size
         cache, done = None, 0  # done: how many of idx's tokens the cache holds
         for _ in range(max_new_tokens):
@@ -573,7 +627,8 @@ PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}  # dense bf16 tens
 
 def check_gpt_config(c):
     if c.residual not in RESIDUALS:
-        raise ValueError(f"residual={c.residual!r} is unknown; choose one of {', '.join(RESIDUALS)}")
+        raise ValueError(f"residual={c.residual!r} is unknown; "
+                         f"choose one of {', '.join(RESIDUALS)}")
     for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
         if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
             raise ValueError(f"{name}={getattr(c, name)!r} must be a positive integer")
@@ -591,20 +646,27 @@ def check_gpt_config(c):
 
 
 def check_routing(c, defaulted):
-    """The routing fields of a routed mode, its defaults filled in (the fields named in `defaulted`)."""
+    """The routing fields of a routed mode, its defaults filled in
+    (the fields named in `defaulted`)."""
     if c.route_sources not in ROUTE_SOURCES:
-        raise ValueError(f"route_sources={c.route_sources!r} is unknown; choose one of {', '.join(ROUTE_SOURCES)}")
+        raise ValueError(f"route_sources={c.route_sources!r} is unknown; "
+                         f"choose one of {', '.join(ROUTE_SOURCES)}")
     if c.route_weights not in ROUTE_WEIGHTS:
-        raise ValueError(f"route_weights={c.route_weights!r} is unknown; choose one of {', '.join(ROUTE_WEIGHTS)}")
+        raise ValueError(f"route_weights={c.route_weights!r} is unknown; "
+                         f"choose one of {', '.join(ROUTE_WEIGHTS)}")
     H, N, S = c.route_heads, c.n_route_blocks, c.n_sublayers
     if isinstance(H, bool) or not isinstance(H, int) or H < 1 or c.n_embd % H != 0:
-        raise ValueError(f"route_heads={H!r} must be a whole number that divides n_embd={c.n_embd}; "
-                         f"choose one of {divisors(c.n_embd)}")
+        raise ValueError(f"route_heads={H!r} must be a whole number that divides "
+                         f"n_embd={c.n_embd}; choose one of {divisors(c.n_embd)}")
     if isinstance(N, bool) or not isinstance(N, int) or N < 1 or S % N != 0:
-        said = f"n_route_blocks={N!r} (the default for this mode)" if "n_route_blocks" in defaulted else f"n_route_blocks={N!r}"
+        if "n_route_blocks" in defaulted:
+            said = f"n_route_blocks={N!r} (the default for this mode)"
+        else:
+            said = f"n_route_blocks={N!r}"
         raise ValueError(f"{said} must divide 2*n_layer={S} sublayers; choose one of {divisors(S)}")
     if c.residual == "delta" and N != S:
-        raise ValueError(f"n_route_blocks={N} but residual='delta' routes per sublayer (n_route_blocks=2*n_layer={S}); "
+        raise ValueError(f"n_route_blocks={N} but residual='delta' routes per sublayer "
+                         f"(n_route_blocks=2*n_layer={S}); "
                          f"leave it unset, or use residual='delta_block' for {N} blocks")
     if c.route_partial not in (True, False):
         raise ValueError(f"route_partial={c.route_partial!r} must be True or False")
@@ -618,7 +680,8 @@ def divisors(n):
 
 
 def device_peak_flops(device):
-    """The bf16 peak FLOP/s of a CUDA device from PEAK_FLOPS, or None when unknown (CPU, MPS, other GPUs)."""
+    """The bf16 peak FLOP/s of a CUDA device from PEAK_FLOPS, or None when unknown
+    (CPU, MPS, other GPUs)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -632,34 +695,37 @@ def is_routing_key(name):
 
 
 # ================================================================================================
-# The fast path for routing (GPTConfig.fast_routing, on by default). The same numbers as Router and
-# Stream above up to float rounding (tests/test_model.py holds them equal, gradients included), with
-# activation memory linear in depth and few passes over memory. A first reading can skip this section.
+# The fast path for routing (GPTConfig.fast_routing, on by default). The same numbers as Router
+# and Stream above up to float rounding (tests/test_model.py holds them equal, gradients
+# included), with activation memory linear in depth and few passes over memory. A first reading
+# can skip this section.
 #
 # Router above stacks its n sources, so autograd keeps a stacked copy per sublayer: O(S^2 * B*T*D)
 # floats over the model. Here instead (Kimi's two-phase computation, on the CPU):
 #  - w . RMSNorm_g(s) = ((w * g) . s) / rms(s): a source enters the logits only through its score
 #    against the folded query q = w * g; the keys are never formed.
-#  - Phase 1: a completed block is scored once, when it is born, against every router still to read it,
-#    in one product (Score); each of those routers takes its row.
-#  - Phase 2: the current block's partial sum changes at every sublayer and only one router reads it, so
-#    RouteRead scores it against that router's query, then takes the softmax and the weighted sum
-#    (added straight onto x in the additive modes), looping over the sources in place and saving only
-#    references to them (alive anyway) and alpha.
-#  - Each block is handed on from router to router as an alias, so its routing gradient is one tensor
-#    that each router adds its share into in place (see RouteRead).
+#  - Phase 1: a completed block is scored once, when it is born, against every router still to read
+#    it, in one product (Score); each of those routers takes its row.
+#  - Phase 2: the current block's partial sum changes at every sublayer and only one router reads
+#    it, so RouteRead scores it against that router's query, then takes the softmax and the weighted
+#    sum (added straight onto x in the additive modes), looping over the sources in place and saving
+#    only references to them (alive anyway) and alpha.
+#  - Each block is handed on from router to router as an alias, so its routing gradient is one
+#    tensor that each router adds its share into in place (see RouteRead).
 # ================================================================================================
 
 class FastStream(Stream):
-    """Stream with the same reads and writes, routed with Score and RouteRead. The routers are read in the
-    model's order (sublayers, then attnres's final router): router j's folded query is row j."""
+    """Stream with the same reads and writes, routed with Score and RouteRead.
+    The routers are read in the model's order (sublayers, then attnres's final router): router j's
+    folded query is row j."""
 
     def __init__(self, e, config, routers, record=None):
         super().__init__(e, config, record)
         self.routers, self.heads = routers, config.route_heads
         self.static = config.route_weights == "static"  # static logits need no scores
         self.queries = folded_queries(routers) if routers and not self.static else None  # (R, D)
-        self.scores = []     # per block: its logits (B, T, H) for each router from its first reader on
+        # per block: its logits (B, T, H) for each router from its first reader on
+        self.scores = []
         self.handed_on = []  # the blocks, as the last router handed them on
         self.reads = 0       # routers read so far
 
@@ -670,14 +736,18 @@ class FastStream(Stream):
         j, self.reads = self.reads, self.reads + 1
         for s in self.blocks[len(self.handed_on):]:  # the blocks completed since the last read
             self.handed_on.append(s)
-            if not self.static:  # phase 1: scored once, in one product, against this router and every later one
+            # phase 1: scored once, in one product, against this router and every later one
+            if not self.static:
                 self.scores.append([None] * j + list(Score.apply(s, self.queries[j:], self.heads)))
         sources = self.sources()
         partial = sources[len(self.blocks):]  # [p] when the partial sum is routed, else []
         if self.static:  # one logit per source, the same for every token
-            logits = upcast(router.logits).view(self.heads, -1).t()[:, None, None, :]  # (n, 1, 1, H)
-            logits, query = logits.expand(-1, *sources[0].shape[:2], -1), None          # (n, B, T, H)
-        else:  # the blocks' logits from phase 1; the partial's, if routed, RouteRead computes (phase 2)
+            # (n, 1, 1, H)
+            logits = upcast(router.logits).view(self.heads, -1).t()[:, None, None, :]
+            logits, query = logits.expand(-1, *sources[0].shape[:2], -1), None  # (n, B, T, H)
+        else:
+            # the blocks' logits from phase 1;
+            # the partial's, if routed, RouteRead computes (phase 2)
             logits = torch.stack([scores[j] for scores in self.scores])
             query = self.queries[j] if partial else None
         base = self.x if self.keeps_stream else None
@@ -685,48 +755,60 @@ class FastStream(Stream):
             alpha = torch.ones_like(logits).movedim(0, -1)  # (B, T, H, 1)
             u = sources[0] if base is None else base + sources[0]
         else:
-            hand_on = not torch.compiler.is_compiling()  # Dynamo cannot trace the aliases (nor needs them)
-            u, alpha, *handed_on = RouteRead.apply(hand_on, base, logits, query, *self.handed_on, *partial)
+            # Dynamo cannot trace the aliases (nor needs them)
+            hand_on = not torch.compiler.is_compiling()
+            u, alpha, *handed_on = RouteRead.apply(hand_on, base, logits, query,
+                                                   *self.handed_on, *partial)
             alpha = alpha.movedim(0, -1)
             if handed_on:
-                self.handed_on = handed_on[:len(self.blocks)]  # a partial is read once: not handed on
-        if self.record is not None:  # the sources themselves: the aliases stay inside the router chain
-            self.record.append((sources, alpha.squeeze(-2) if self.heads == 1 else alpha))  # (B, T, [H,] n)
+                # a partial is read once: not handed on
+                self.handed_on = handed_on[:len(self.blocks)]
+        # the sources themselves: the aliases stay inside the router chain
+        if self.record is not None:
+            self.record.append(
+                (sources, alpha.squeeze(-2) if self.heads == 1 else alpha))  # (B, T, [H,] n)
         return u
 
 
 class RouteRead(torch.autograd.Function):
-    """base + sum_i alpha_i s_i with alpha = softmax_i(logits); base None or x (B, T, D). logits (n, B, T, H)
-    holds every source's logit, or, with a query q (D,), every source's but the last, a partial sum p, which
-    is scored here: (q . p) / rms(p) per head (phase 2). With H heads, alpha_i's head h weighs channel
-    group h of s_i (H = 1: all channels).
+    """base + sum_i alpha_i s_i with alpha = softmax_i(logits); base None or x (B, T, D).
+    logits (n, B, T, H) holds every source's logit, or, with a query q (D,), every source's but the
+    last, a partial sum p, which is scored here: (q . p) / rms(p) per head (phase 2). With H heads,
+    alpha_i's head h weighs channel group h of s_i (H = 1: all channels).
 
     Forward and backward loop over the sources in place instead of stacking copies of them, and only
-    references to the sources (alive anyway) and alpha (n, B, T, H) are saved: activation memory stays
-    linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
+    references to the sources (alive anyway) and alpha (n, B, T, H) are saved: activation memory
+    stays linear in depth. Softmax and sum run in float32 (float64 for a float64 model).
 
-    With hand_on, each source but a scored partial is also returned, as an alias, for the next router, its
-    only consumer: the gradient that comes back for an alias is the sum of the later routers' alpha_i * g
-    (a tensor only this chain holds), and this router adds its own share into it in place. So each
-    source's routing gradient is one tensor accumulated along the chain of routers: one multiply-add pass
-    per (router, source) pair, where autograd would make a new product tensor and then add it. Under
-    torch.compile (hand_on=False) the aliases are left out and autograd sums as usual.
+    With hand_on, each source but a scored partial is also returned, as an alias, for the next
+    router, its only consumer: the gradient that comes back for an alias is the sum of the later
+    routers' alpha_i * g (a tensor only this chain holds), and this router adds its own share into
+    it in place. So each source's routing gradient is one tensor accumulated along the chain of
+    routers: one multiply-add pass per (router, source) pair, where autograd would make a new
+    product tensor and then add it. Under torch.compile (hand_on=False) the aliases are left out and
+    autograd sums as usual.
     """
 
     @staticmethod
     def forward(ctx, hand_on, base, logits, query, *sources):
         H = logits.size(-1)
         scored = ()
-        if query is not None:  # phase 2: the partial p (the last source) scored against this router's query
-            q = query.view(H, -1)                                      # (H, D/H): head h's query q_h
-            r = inv_rms(sources[-1]).unsqueeze(-1)                     # 1 / rms(p), (B, T, 1)
+        # phase 2: the partial p (the last source) scored against this router's query
+        if query is not None:
+            q = query.view(H, -1)                   # (H, D/H): head h's query q_h
+            r = inv_rms(sources[-1]).unsqueeze(-1)  # 1 / rms(p), (B, T, 1)
             logit = (upcast(sources[-1]).unflatten(-1, (H, -1)) * q).sum(-1).mul_(r)  # (B, T, H)
             logits = torch.cat([logits, logit.unsqueeze(0)])
             scored = (q, r, logit)
-        alpha = logits.softmax(dim=0)             # (n, B, T, H); over a leading dim: PyTorch's faster kernel for small n
-        a = alpha.unsqueeze(-1).unbind(0)         # n views alpha_i, (B, T, H, 1)
-        s0 = upcast(sources[0]).unflatten(-1, (H, -1))  # (B, T, H, D/H): head h reads channel group h
-        read = a[0] * s0 if base is None else torch.addcmul(upcast(base).unflatten(-1, (H, -1)), a[0], s0)
+        # (n, B, T, H); over a leading dim: PyTorch's faster kernel for small n
+        alpha = logits.softmax(dim=0)
+        a = alpha.unsqueeze(-1).unbind(0)  # n views alpha_i, (B, T, H, 1)
+        # (B, T, H, D/H): head h reads channel group h
+        s0 = upcast(sources[0]).unflatten(-1, (H, -1))
+        if base is None:
+            read = a[0] * s0
+        else:
+            read = torch.addcmul(upcast(base).unflatten(-1, (H, -1)), a[0], s0)
         for a_i, s in zip(a[1:], sources[1:]):
             read.addcmul_(a_i, s.unflatten(-1, (H, -1)))
         read = read.flatten(-2)
@@ -734,18 +816,26 @@ class RouteRead(torch.autograd.Function):
         ctx.mark_non_differentiable(alpha)
         ctx.set_materialize_grads(False)
         ctx.scored = bool(scored)
-        dtype = sources[0].dtype if base is None else torch.promote_types(base.dtype, sources[0].dtype)
+        if base is None:
+            dtype = sources[0].dtype
+        else:
+            dtype = torch.promote_types(base.dtype, sources[0].dtype)
         handed_on = sources[:-1] if scored else sources
         # a source returned as it is comes out as an alias of it (autograd makes the view)
-        return (read if read.dtype == dtype else read.to(dtype), alpha, *(handed_on if hand_on else ()))
+        return (read if read.dtype == dtype else read.to(dtype), alpha,
+                *(handed_on if hand_on else ()))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _, *handed_on_grads):
         alpha, *sources = ctx.saved_tensors
-        q, r, logit = sources[:3] if ctx.scored else (None,) * 3
-        sources = sources[3:] if ctx.scored else sources
-        later = list(handed_on_grads) + [None] * (len(sources) - len(handed_on_grads))  # later routers' gradients
+        if ctx.scored:
+            q, r, logit = sources[:3]
+            sources = sources[3:]
+        else:
+            q, r, logit = (None,) * 3
+        # later routers' gradients
+        later = list(handed_on_grads) + [None] * (len(sources) - len(handed_on_grads))
         if grad is None:  # the read itself was not used: only the handed-on gradients pass through
             return (None, None, None, None, *later)
         g_base = grad if ctx.needs_input_grad[1] else None
@@ -754,29 +844,37 @@ class RouteRead(torch.autograd.Function):
         g_alpha = torch.empty_like(alpha)         # g . s_i per head, (n, B, T, H)
         prod = torch.empty_like(g)                # one buffer for the products g * s_i
         g_sources = []
-        for a_i, g_alpha_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(0), g_alpha.unbind(0), sources, later):
+        for a_i, g_alpha_i, s, g_later in zip(alpha.unsqueeze(-1).unbind(0), g_alpha.unbind(0),
+                                              sources, later):
             torch.sum(torch.mul(g, s.unflatten(-1, (H, -1)), out=prod), dim=-1, out=g_alpha_i)
-            # the later routers' gradient is a dense tensor of this chain's own: add this router's share in place
-            g_sources.append(a_i * g if g_later is None else g_later.unflatten(-1, (H, -1)).addcmul_(a_i, g))
+            if g_later is None:
+                g_sources.append(a_i * g)
+            else:
+                # the later routers' gradient is a dense tensor of this chain's own:
+                # add this router's share in place
+                g_sources.append(g_later.unflatten(-1, (H, -1)).addcmul_(a_i, g))
         g_logits = alpha * (g_alpha - (alpha * g_alpha).sum(0))  # softmax backward
         g_query = None
-        if ctx.scored:  # the partial's logit r (q_h . p_h) also depends on p through r: dr/dp = -r^3 p / D
+        # the partial's logit r (q_h . p_h) also depends on p through r: dr/dp = -r^3 p / D
+        if ctx.scored:
             p, g_logit = upcast(sources[-1]), g_logits[-1]
-            g_r = (g_logit * r).unsqueeze(-1)                                      # (B, T, H, 1)
-            c = (g_logit * logit).sum(-1, keepdim=True).mul_(r.square()).div_(p.size(-1))  # (B, T, 1)
-            g_sources[-1].addcmul_(g_r, q).flatten(-2).addcmul_(c, p, value=-1)   # += g_r q_h - c p
-            g_query = (g_r * p.unflatten(-1, (H, -1))).sum((0, 1)).flatten()      # (D,)
+            g_r = (g_logit * r).unsqueeze(-1)                                    # (B, T, H, 1)
+            # (B, T, 1)
+            c = (g_logit * logit).sum(-1, keepdim=True).mul_(r.square()).div_(p.size(-1))
+            g_sources[-1].addcmul_(g_r, q).flatten(-2).addcmul_(c, p, value=-1)  # += g_r q_h - c p
+            g_query = (g_r * p.unflatten(-1, (H, -1))).sum((0, 1)).flatten()    # (D,)
             g_logits = g_logits[:-1]
         g_sources = [g_s.flatten(-2).to(s.dtype) for g_s, s in zip(g_sources, sources)]
         return (None, g_base, g_logits, g_query, *g_sources)
 
 
 class Score(torch.autograd.Function):
-    """Phase 1: a block s's logits for R routers at once, s (B, T, D) against their folded queries Q (R, D):
+    """Phase 1: a block s's logits for R routers at once, s (B, T, D) against their folded queries
+    Q (R, D):
         score_j[h] = (Q[j, h] . s[h]) / rms(s)     for each channel group h, rms over the full width
-    returned as R tensors (B, T, H), one per router (H = 1: (Q[j] . s) / rms(s)). Float32 (float64 for a
-    float64 model), also under autocast; one batched matmul over the heads. The backward, written out
-    (dr/ds = -r^3 s / D for r = 1 / rms(s)):
+    returned as R tensors (B, T, H), one per router (H = 1: (Q[j] . s) / rms(s)). Float32 (float64
+    for a float64 model), also under autocast; one batched matmul over the heads. The backward,
+    written out (dr/ds = -r^3 s / D for r = 1 / rms(s)):
         dL/ds[h] = sum_j (g_jh * r) Q[j, h] - c * s[h],   c = r^2 * sum_{j,h} g_jh score_jh / D
         dL/dQ[j, h] = sum over tokens of (g_jh * r) s[h]
     A bf16 source is saved as it is, not again as a float32 copy.
@@ -790,7 +888,8 @@ class Score(torch.autograd.Function):
             s_h = upcast(s).view(-1, heads, D // heads).permute(1, 2, 0)    # (H, D/H, B*T)
             Q_h = Q.view(R, heads, D // heads).transpose(0, 1)              # (H, R, D/H)
             scores = torch.bmm(Q_h, s_h).mul_(r)                            # (H, R, B*T)
-            scores = scores.permute(1, 2, 0).contiguous()                   # (R, B*T, H): each router's rows together
+            # (R, B*T, H): each router's rows together
+            scores = scores.permute(1, 2, 0).contiguous()
         ctx.save_for_backward(s, Q, scores, r)
         ctx.set_materialize_grads(False)
         return tuple(scores.unflatten(1, s.shape[:-1]))                     # R tensors (B, T, H)
@@ -800,27 +899,30 @@ class Score(torch.autograd.Function):
     def backward(ctx, *grads):
         s, Q, scores, r = ctx.saved_tensors
         (R, _, H), D = scores.shape, s.size(-1)
-        zero = scores.new_zeros(scores.shape[1:])                           # a router that read nothing, (B*T, H)
+        zero = scores.new_zeros(scores.shape[1:])  # a router that read nothing, (B*T, H)
         g = torch.stack([zero if g is None else g.flatten(0, 1) for g in grads])  # (R, B*T, H)
         with float32_only(s):
             gr = g.mul_(r.unsqueeze(-1))                                    # g * r
             c = (gr * scores).sum((0, 2)).mul_(r).div_(D)                   # (B*T,)
             s32 = upcast(s).view(-1, D)
             gr = gr.permute(2, 0, 1)                                        # (H, R, B*T)
-            g_s = torch.bmm(gr.transpose(1, 2), Q.view(R, H, D // H).transpose(0, 1))  # (H, B*T, D/H)
+            # (H, B*T, D/H)
+            g_s = torch.bmm(gr.transpose(1, 2), Q.view(R, H, D // H).transpose(0, 1))
             g_s = g_s.transpose(0, 1).reshape(s32.shape).addcmul_(c.unsqueeze(-1), s32, value=-1)
             g_Q = torch.bmm(gr, s32.view(-1, H, D // H).transpose(0, 1))    # (H, R, D/H)
         return g_s.view(s.shape).to(s.dtype), g_Q.transpose(0, 1).reshape(R, D), None
 
 
 def inv_rms(s):
-    """1 / rms(s) over the last dim, (B, T), in float32 (float64 for a float64 s): one pass over s."""
+    """1 / rms(s) over the last dim, (B, T), in float32 (float64 for a float64 s):
+    one pass over s."""
     norm = torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))
     return norm.square_().div_(s.size(-1)).add_(ROUTE_EPS).rsqrt_()
 
 
 def float32_only(t):
-    """Autocast off (for the routing math in float32) when it is on; else nothing, which is cheaper."""
+    """Autocast off (for the routing math in float32) when it is on;
+    else nothing, which is cheaper."""
     if torch.is_autocast_enabled(t.device.type):
         return torch.autocast(t.device.type, enabled=False)
     return contextlib.nullcontext()
@@ -828,4 +930,5 @@ def float32_only(t):
 
 def folded_queries(routers):
     """Every router's folded query w * g, (R, D) in float32: one product for all of them."""
-    return upcast(torch.stack([r.query for r in routers])) * upcast(torch.stack([r.norm.weight for r in routers]))
+    return (upcast(torch.stack([r.query for r in routers]))
+            * upcast(torch.stack([r.norm.weight for r in routers])))

@@ -1,17 +1,18 @@
 """
-Training script for delta-gpt, in nanoGPT's shape: the knobs, a few helpers, then train(), one narrative
-from setup to the loop, and last the command line that builds a TrainConfig. One process on CPU, CUDA or MPS, or
-several under torchrun with DDP (each holds the whole model) or FSDP2 (--fsdp: parameters, gradients and optimizer
-state sharded).
+Training script for delta-gpt, in nanoGPT's shape: the knobs, a few helpers, then train(), one
+narrative from setup to the loop, and last the command line that builds a TrainConfig. One process
+on CPU, CUDA or MPS, or several under torchrun with DDP (each holds the whole model) or FSDP2
+(--fsdp: parameters, gradients and optimizer state sharded).
 
-    python train.py --residual delta                          # the `cpu` preset where there is no CUDA
-    python train.py --out-dir runs/cpu-delta --resume --max-iters 4000   # continue, bit-exact on CPU
+    python train.py --residual delta  # the `cpu` preset where there is no CUDA
+    python train.py --out-dir runs/cpu-delta --resume --max-iters 4000  # continue, bit-exact on CPU
     torchrun --standalone --nproc_per_node=8 train.py --preset gpt2_124m --residual delta
     torchrun --standalone --nproc_per_node=8 train.py --preset paper_1b --residual delta --fsdp
 
-`python cli.py train ...` takes the same options: every TrainConfig field (--max-iters or --max_iters;
---compile / --no-compile for flags). The plumbing (option checks, checkpoints, the run directory, FSDP,
-process settings) lives in plumbing/, below this file, each piece called once from here.
+`python cli.py train ...` takes the same options: every TrainConfig field (--max-iters or
+--max_iters; --compile / --no-compile for flags). The plumbing (option checks, checkpoints, the
+run directory, FSDP, process settings) lives in plumbing/, below this file, each piece called once
+from here.
 """
 import math
 import os
@@ -32,18 +33,21 @@ import data
 from delta_gpt import GPT, GPT2_MODELS
 from errors import ConfigError, DeltaGPTError, TrainError
 from plumbing.checkpoint import (checkpoint_dict, dataset_info, load_checkpoint, model_from_gpt2,
-                                 model_from_init_checkpoint, restore_rng, resume_checkpoint, resume_model, rng_state,
-                                 save_checkpoint)
-from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, as_typed, check_config, flag, mode_label, model_config,
-                             out_dir_of, parse_args, preset_config, train_help)
-from plumbing.distributed import full_state, load_optimizer_state, process_group, root_gathered, shard
+                                 model_from_init_checkpoint, restore_rng, resume_checkpoint,
+                                 resume_model, rng_state, save_checkpoint)
+from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, as_typed, check_config, flag, mode_label,
+                             model_config, out_dir_of, parse_args, preset_config, train_help)
+from plumbing.distributed import (full_state, load_optimizer_state, process_group, root_gathered,
+                                  shard)
 from plumbing.routing_stats import routing_stats
 from plumbing.rundir import (Progress, RunLock, RunRecord, StopFlag, check_folder, check_same_data,
                              claim_run_dir)
-from plumbing.system import apply_process_settings, check_memory, cpu_has_bfloat16, end_torchrun_process
+from plumbing.system import (apply_process_settings, check_memory, cpu_has_bfloat16,
+                             end_torchrun_process)
 
 # -----------------------------------------------------------------------------
-# the knobs: every field is an option of `python train.py` and `python cli.py train` (--help lists them)
+# the knobs: every field is an option of `python train.py` and `python cli.py train`
+# (--help lists them)
 
 def option(default, help):
     return field(default=default, metadata={"help": help})  # the help both command lines show
@@ -51,9 +55,12 @@ def option(default, help):
 
 @dataclass
 class TrainConfig:
-    preset: str = option("cpu", "the preset these values started from (recorded; --preset chooses it)")
-    out_dir: Optional[str] = option(None, "run directory for checkpoints and metrics (default runs/PRESET-RESIDUAL)")
-    dataset: str = option("shakespeare_char", "a prepared dataset under data_dir (see `python cli.py prepare`)")
+    preset: str = option("cpu", "the preset these values started from "
+                                "(recorded; --preset chooses it)")
+    out_dir: Optional[str] = option(None, "run directory for checkpoints and metrics "
+                                          "(default runs/PRESET-RESIDUAL)")
+    dataset: str = option("shakespeare_char", "a prepared dataset under data_dir "
+                                              "(see `python cli.py prepare`)")
     data_dir: Optional[str] = option(None, "where datasets live (default: the data/ folder)")
     # model
     residual: str = option("baseline", "baseline | attnres | delta | delta_block")
@@ -63,17 +70,26 @@ class TrainConfig:
     block_size: int = option(64, "context length in tokens")
     dropout: float = option(0.0, "dropout in attention, residual and embeddings")
     bias: bool = option(False, "bias in Linear and LayerNorm layers")
-    n_route_blocks: Optional[int] = option(None, "routing blocks N (must divide 2*n_layer; default per mode)")
-    route_partial: Optional[bool] = option(None, "also route the current block's partial sum (delta_block)")
-    route_sources: Optional[str] = option(None, "delta (block sums) or cumulative (stream snapshots)")
-    route_weights: Optional[str] = option(None, "dynamic (per token, from the sources) or static (one learned weight per source: the control)")
-    route_heads: Optional[int] = option(None, "H routing heads: each of H channel groups is routed apart (multi-head routing; default 1)")
-    fast_routing: bool = option(True, "route with the fast path (delta_gpt.py's last section); off: Router and Stream "
-                                      "as written (the cpu preset's default, so that what a student edits runs)")
-    init_from: str = option("scratch", "scratch, a checkpoint path (any mode of the same shape: its weights, its routing if it routes the same way), or gpt2 / gpt2-medium / ...")
+    n_route_blocks: Optional[int] = option(None, "routing blocks N "
+                                                 "(must divide 2*n_layer; default per mode)")
+    route_partial: Optional[bool] = option(None, "also route the current block's partial sum "
+                                                 "(delta_block)")
+    route_sources: Optional[str] = option(None, "delta (block sums) or "
+                                                "cumulative (stream snapshots)")
+    route_weights: Optional[str] = option(None, "dynamic (per token, from the sources) or static "
+                                                "(one learned weight per source: the control)")
+    route_heads: Optional[int] = option(None, "H routing heads: each of H channel groups "
+                                              "is routed apart (multi-head routing; default 1)")
+    fast_routing: bool = option(True, "route with the fast path (delta_gpt.py's last section); "
+                                      "off: Router and Stream as written (the cpu preset's "
+                                      "default, so that what a student edits runs)")
+    init_from: str = option("scratch", "scratch, a checkpoint path (any mode of the same shape: "
+                                       "its weights, its routing if it routes the same way), "
+                                       "or gpt2 / gpt2-medium / ...")
     # optimisation
     batch_size: int = option(12, "sequences per micro-step per rank")
-    gradient_accumulation_steps: int = option(1, "micro-steps per step, over all ranks (divided among them)")
+    gradient_accumulation_steps: int = option(1, "micro-steps per step, over all ranks "
+                                                 "(divided among them)")
     max_iters: int = option(2000, "total optimizer steps")
     learning_rate: float = option(1e-3, "peak learning rate")
     min_lr: float = option(1e-4, "final learning rate of the cosine decay")
@@ -89,45 +105,64 @@ class TrainConfig:
     # evaluation, logging, checkpoints
     eval_interval: int = option(250, "evaluate every this many steps")
     eval_iters: int = option(20, "fixed batches per evaluation (each split)")
-    log_interval: int = option(10, "write a metrics line (and, without a terminal, a progress line) every this many steps")
+    log_interval: int = option(10, "write a metrics line (and, without a terminal, "
+                                   "a progress line) every this many steps")
     ckpt_interval: int = option(250, "write last.pt every this many steps")
     eval_only: bool = option(False, "evaluate once and exit")
     resume: bool = option(False, "continue from out_dir/last.pt")
-    overwrite: bool = option(False, "start afresh even if out_dir holds a run (its checkpoints are deleted)")
-    progress: bool = option(True, "show a progress bar (a plain line every log_interval steps without a terminal)")
+    overwrite: bool = option(False, "start afresh even if out_dir holds a run "
+                                    "(its checkpoints are deleted)")
+    progress: bool = option(True, "show a progress bar "
+                                  "(a plain line every log_interval steps without a terminal)")
     # system
     device: str = option("auto", "auto (cuda, then mps, then cpu), or cpu, cuda, cuda:1, mps")
-    dtype: str = option("auto", "auto (bfloat16 on CUDA where supported, else float16; float32 on CPU/MPS), "
-                                "float32, bfloat16, float16")
-    compile: Optional[bool] = option(None, "torch.compile the model (default: on for CUDA, off elsewhere)")
-    threads: Optional[int] = option(None, "CPU threads for torch (default: the free cores, so a busy machine gets fewer)")
-    keep_freed_memory: bool = option(True, "CPU: malloc keeps freed memory for the next step (no page faults each step)")
-    memory_check: bool = option(True, "CPU: refuse a run whose activations alone would exceed this machine's memory")
-    fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the processes with FSDP2")
-    activation_checkpointing: bool = option(False, "recompute each attention and MLP in backward (less activation memory)")
-    wandb_project: Optional[str] = option(None, "also log the metrics to this Weights & Biases project (needs the wandb package)")
-    wandb_run_name: Optional[str] = option(None, "the W&B run's name (default: the run directory's name)")
+    dtype: str = option("auto", "auto (bfloat16 on CUDA where supported, else float16; "
+                                "float32 on CPU/MPS), float32, bfloat16, float16")
+    compile: Optional[bool] = option(None, "torch.compile the model "
+                                           "(default: on for CUDA, off elsewhere)")
+    threads: Optional[int] = option(None, "CPU threads for torch "
+                                          "(default: the free cores, so a busy machine gets fewer)")
+    keep_freed_memory: bool = option(True, "CPU: malloc keeps freed memory for the next step "
+                                           "(no page faults each step)")
+    memory_check: bool = option(True, "CPU: refuse a run whose activations alone "
+                                      "would exceed this machine's memory")
+    fsdp: bool = option(False, "shard parameters, gradients and optimizer state "
+                               "over the processes with FSDP2")
+    activation_checkpointing: bool = option(False, "recompute each attention and MLP in backward "
+                                                   "(less activation memory)")
+    wandb_project: Optional[str] = option(None, "also log the metrics to this Weights & Biases "
+                                                "project (needs the wandb package)")
+    wandb_run_name: Optional[str] = option(None, "the W&B run's name "
+                                                 "(default: the run directory's name)")
 
 
-PAPER = dict(dataset="fineweb_edu", block_size=2048, max_iters=10000, learning_rate=6e-4, min_lr=6e-5, warmup_iters=1000,
-             beta2=0.95, eval_interval=500, eval_iters=100, ckpt_interval=500)  # the paper's recipe
+PAPER = dict(dataset="fineweb_edu", block_size=2048, max_iters=10000, learning_rate=6e-4,
+             min_lr=6e-5, warmup_iters=1000, beta2=0.95, eval_interval=500, eval_iters=100,
+             ckpt_interval=500)  # the paper's recipe
 PRESETS = {
-    # nanoGPT's CPU recipe: a few minutes on 2 cores, where a class trains: on the routing code it reads
+    # nanoGPT's CPU recipe: a few minutes on 2 cores, where a class trains:
+    # on the routing code it reads
     "cpu": dict(fast_routing=False),
     # nanoGPT's shakespeare_char GPU recipe (6 layers, 6 heads, 384 wide, context 256)
-    "shakespeare_char": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, batch_size=64,
-                             max_iters=5000, eval_iters=200, log_interval=10, ckpt_interval=500),
+    "shakespeare_char": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2,
+                             batch_size=64, max_iters=5000, eval_iters=200, log_interval=10,
+                             ckpt_interval=500),
     # GPT-2 small on FineWeb-Edu, nanoGPT's train_gpt2 recipe (about 0.5M tokens per step)
-    "gpt2_124m": dict(dataset="fineweb_edu", n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=12,
-                      gradient_accumulation_steps=40, max_iters=600000, learning_rate=6e-4, min_lr=6e-5,
-                      warmup_iters=2000, beta2=0.95, eval_interval=1000, eval_iters=200, ckpt_interval=1000),
-    # the paper's sizes in its recipe: seq 2048, 10K steps, 6e-4 -> 6e-5 cosine, warmup 1000, AdamW (0.9, 0.95),
-    # weight decay 0.1; 256 sequences (0.5M tokens) per step; head size 64 (128 at 7B)
-    "paper_220m": dict(PAPER, n_layer=12, n_head=12, n_embd=768, batch_size=8, gradient_accumulation_steps=32),
-    "paper_533m": dict(PAPER, n_layer=24, n_head=16, n_embd=1024, batch_size=8, gradient_accumulation_steps=32),
-    "paper_1b": dict(PAPER, n_layer=36, n_head=20, n_embd=1280, batch_size=8, gradient_accumulation_steps=32),
-    "paper_7b": dict(PAPER, n_layer=36, n_head=32, n_embd=4096, batch_size=8, gradient_accumulation_steps=32,
-                     fsdp=True, activation_checkpointing=True),
+    "gpt2_124m": dict(dataset="fineweb_edu", n_layer=12, n_head=12, n_embd=768, block_size=1024,
+                      batch_size=12, gradient_accumulation_steps=40, max_iters=600000,
+                      learning_rate=6e-4, min_lr=6e-5, warmup_iters=2000, beta2=0.95,
+                      eval_interval=1000, eval_iters=200, ckpt_interval=1000),
+    # the paper's sizes in its recipe: seq 2048, 10K steps, 6e-4 -> 6e-5 cosine, warmup 1000,
+    # AdamW (0.9, 0.95), weight decay 0.1; 256 sequences (0.5M tokens) per step;
+    # head size 64 (128 at 7B)
+    "paper_220m": dict(PAPER, n_layer=12, n_head=12, n_embd=768, batch_size=8,
+                       gradient_accumulation_steps=32),
+    "paper_533m": dict(PAPER, n_layer=24, n_head=16, n_embd=1024, batch_size=8,
+                       gradient_accumulation_steps=32),
+    "paper_1b": dict(PAPER, n_layer=36, n_head=20, n_embd=1280, batch_size=8,
+                     gradient_accumulation_steps=32),
+    "paper_7b": dict(PAPER, n_layer=36, n_head=32, n_embd=4096, batch_size=8,
+                     gradient_accumulation_steps=32, fsdp=True, activation_checkpointing=True),
 }
 
 
@@ -150,26 +185,31 @@ def get_lr(it, cfg):
 
 @torch.no_grad()
 def estimate_loss(model, ds, split, eval_iters, batch_size, ctx=nullcontext(), progress=False):
-    """Mean loss over the first eval_iters fixed evaluation batches of a split (the same for every run). With
-    progress: a bar on a terminal, and a note when the batches are slow enough that it would sit silent."""
+    """Mean loss over the first eval_iters fixed evaluation batches of a split (the same for every
+    run). With progress: a bar on a terminal, and a note when the batches are slow enough that it
+    would sit silent."""
     device, training = next(model.parameters()).device, model.training
     model.eval()
     losses, t0 = [], time.time()
-    for k in tqdm(range(eval_iters), desc=f"{split} loss", disable=None if progress else True, leave=False):
+    for k in tqdm(range(eval_iters), desc=f"{split} loss", disable=None if progress else True,
+                  leave=False):
         X, Y = eval_batch(ds, split, k, batch_size, model.config.block_size, device)
         with ctx:
             losses.append(model(X, Y)[1].item())
         if progress and k == 0 and (time.time() - t0) * eval_iters > 60:
-            print(f"note: one {split} batch took {time.time() - t0:.0f} s: this split's loss takes about "
-                  f"{(time.time() - t0) * eval_iters / 60:.0f} min ({eval_iters} batches, --eval-iters)", flush=True)
+            print(f"note: one {split} batch took {time.time() - t0:.0f} s: "
+                  f"this split's loss takes about {(time.time() - t0) * eval_iters / 60:.0f} min "
+                  f"({eval_iters} batches, --eval-iters)", flush=True)
     model.train(training)
     return sum(losses) / len(losses)
 
 
 def evaluate_model(model, ds, cfg, ctx, device, master):
-    """Both splits' mean loss on the fixed eval batches, and routing statistics on the first val batch."""
+    """Both splits' mean loss on the fixed eval batches,
+    and routing statistics on the first val batch."""
     show = master and cfg.progress
-    out = {split: estimate_loss(model, ds, split, cfg.eval_iters, cfg.batch_size, ctx, show) for split in ("train", "val")}
+    out = {split: estimate_loss(model, ds, split, cfg.eval_iters, cfg.batch_size, ctx, show)
+           for split in ("train", "val")}
     if cfg.residual != "baseline":
         X, _ = eval_batch(ds, "val", 0, cfg.batch_size, cfg.block_size, device)
         model.eval()
@@ -180,17 +220,21 @@ def evaluate_model(model, ds, cfg, ctx, device, master):
 
 
 def precision(cfg, device, master):
-    """(dtype name, autocast context, gradient scaler): bf16 or fp16 autocast on CUDA, float32 on CPU/MPS unless asked."""
+    """(dtype name, autocast context, gradient scaler): bf16 or fp16 autocast on CUDA, float32 on
+    CPU/MPS unless asked."""
     dtype = cfg.dtype
     if dtype == "auto":
-        dtype = "float32" if device.type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        dtype = ("float32" if device.type != "cuda"
+                 else "bfloat16" if torch.cuda.is_bf16_supported() else "float16")
     slow = dtype == "float16" or (dtype == "bfloat16" and not cpu_has_bfloat16())
     if slow and device.type == "cpu" and master:
-        print(f"warning: --dtype {dtype} on this CPU runs many times slower than float32 (it has no fast {dtype} "
-              f"matrix products); it is allowed, but use --dtype float32 (the CPU default) unless you are testing "
-              f"mixed precision", file=sys.stderr)
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-    ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device.type, dtype=ptdtype)
+        print(f"warning: --dtype {dtype} on this CPU runs many times slower than float32 "
+              f"(it has no fast {dtype} matrix products); it is allowed, but use --dtype float32 "
+              f"(the CPU default) unless you are testing mixed precision", file=sys.stderr)
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
+               'float16': torch.float16}[dtype]
+    ctx = (nullcontext() if dtype == "float32"
+           else torch.autocast(device_type=device.type, dtype=ptdtype))
     return dtype, ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
 
 
@@ -203,22 +247,24 @@ def derive_seed(*key):
 # train(): setup, then the loop
 
 def train(cfg):
-    """Train as configured; returns a summary dict (rank 0). Bad input or a run that cannot go on raises a
-    DeltaGPTError."""
+    """Train as configured; returns a summary dict (rank 0). Bad input or a run that cannot go on
+    raises a DeltaGPTError."""
     check_config(cfg)
     cfg = replace(cfg, out_dir=out_dir_of(cfg))
     out_dir = Path(cfg.out_dir)
     check_folder(out_dir, "--out-dir")
-    # one process or torchrun's, and a lock on the run directory: a run that fails before its first step
-    # leaves the folder as it found it
-    with process_group(cfg) as (rank, world_size, device), RunLock(out_dir, rank == 0 and not cfg.eval_only) as lock:
+    # one process or torchrun's, and a lock on the run directory: a run that fails before its first
+    # step leaves the folder as it found it
+    with process_group(cfg) as (rank, world_size, device), \
+            RunLock(out_dir, rank == 0 and not cfg.eval_only) as lock:
         master = rank == 0  # rank 0 writes checkpoints, metrics and the log
         if cfg.gradient_accumulation_steps % world_size:
-            raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a "
-                              f"multiple of the number of processes {world_size}")
+            raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} "
+                              f"must be a multiple of the number of processes {world_size}")
         accum = cfg.gradient_accumulation_steps // world_size  # micro-steps per rank
         tokens_per_iter = accum * world_size * cfg.batch_size * cfg.block_size
-        check_memory(cfg, device, world_size)  # a run far past this machine's memory is refused before any work
+        # a run far past this machine's memory is refused before any work
+        check_memory(cfg, device, world_size)
         if cfg.resume:
             ckpt, changed = resume_checkpoint(cfg, master)
         else:
@@ -228,46 +274,55 @@ def train(cfg):
         dtype, ctx, scaler = precision(cfg, device, master)
         ds = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size)
         if cfg.resume:
-            check_same_data(out_dir, ds.meta, "prepare it again from the text the run began on, or start a "
-                                              "new run (--overwrite, or another --out-dir)")
+            check_same_data(out_dir, ds.meta, "prepare it again from the text the run began on, or "
+                                              "start a new run (--overwrite, or another --out-dir)")
 
-        # the model: the run's last.pt (--resume), from scratch, GPT-2's weights, or a checkpoint (--init-from)
+        # the model: the run's last.pt (--resume), from scratch, GPT-2's weights,
+        # or a checkpoint (--init-from)
         model, iter_num, best_val_loss = None, 0, float("inf")
-        if master or not cfg.fsdp:  # under FSDP rank 0 builds the model and the others get their shards of it
+        # under FSDP rank 0 builds the model and the others get their shards of it
+        if master or not cfg.fsdp:
             if ckpt is not None:
                 model = resume_model(cfg, ckpt, ds.meta)
                 iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
             elif cfg.init_from == "scratch":
-                vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's, padded to 64
+                # GPT-2's, padded to 64
+                vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size
                 model = GPT(model_config(cfg, vocab_size))
             elif cfg.init_from in GPT2_MODELS:
                 model = model_from_gpt2(cfg, ds.tokenizer.name)
             else:
                 model = model_from_init_checkpoint(cfg, ds.meta, master)
         if cfg.fsdp:
-            model, iter_num, best_val_loss = shard(model, iter_num, best_val_loss, rank, device, dtype,
-                                                   cfg.activation_checkpointing)
+            model, iter_num, best_val_loss = shard(model, iter_num, best_val_loss, rank, device,
+                                                   dtype, cfg.activation_checkpointing)
         else:
-            for block in model.transformer.h:
-                block.recompute = cfg.activation_checkpointing  # recompute attention and MLP in backward
+            for block in model.transformer.h:  # recompute attention and MLP in backward
+                block.recompute = cfg.activation_checkpointing
             model = model.to(device)
-        cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})  # GPT-2 weights bring their shape
+        # GPT-2 weights bring their shape
+        cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})
 
-        # the optimizer: AdamW over the model's three groups; on resume its state, with this run's settings
-        optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                               device.type, route_lr_mult=cfg.route_lr_mult)
+        # the optimizer: AdamW over the model's three groups;
+        # on resume its state, with this run's settings
+        optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
+                                               (cfg.beta1, cfg.beta2), device.type,
+                                               route_lr_mult=cfg.route_lr_mult)
         elapsed, cpu_elapsed = 0.0, 0.0
         if ckpt is not None:
-            settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+            settings = [{k: v for k, v in group.items() if k != "params"}
+                        for group in optimizer.param_groups]
             load_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp, rank)
             for group, setting in zip(optimizer.param_groups, settings):
                 group.update(setting)
-            if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
+            # a float32/bf16 run saved a disabled scaler's empty state
+            if scaler.is_enabled() and ckpt["scaler"]:
                 scaler.load_state_dict(ckpt["scaler"])
             restore_rng(ckpt["rng"])
             elapsed, cpu_elapsed = ckpt.get("elapsed", 0.0), ckpt.get("cpu_elapsed", 0.0)
 
-        # compile (default on CUDA), then DDP over several processes (FSDP's model is already sharded)
+        # compile (default on CUDA), then DDP over several processes
+        # (FSDP's model is already sharded)
         raw_model = model  # the plain GPT: its state_dict, evaluation and statistics
         compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
         if compiled:
@@ -279,59 +334,69 @@ def train(cfg):
         if cfg.eval_only:  # evaluate the model once, write nothing
             losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
             if master:
-                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
+                print(f"step {iter_num}: train loss {losses['train']:.4f}, "
+                      f"val loss {losses['val']:.4f} "
                       f"(each the mean of {cfg.eval_iters} fixed batches)")
             return dict(val_loss=losses["val"], train_loss=losses["train"], iter_num=iter_num)
 
-        # when the loop evaluates and saves: every interval, and at the end; a resumed run's first step is
-        # the one its last.pt holds, evaluated and saved before the run stopped
+        # when the loop evaluates and saves: every interval, and at the end; a resumed run's first
+        # step is the one its last.pt holds, evaluated and saved before the run stopped
         resumed_at = iter_num if cfg.resume else None
 
         def evaluate_now(step):
             return (step % cfg.eval_interval == 0 or step == cfg.max_iters) and step != resumed_at
 
         def save_now(step):  # a fresh run's step 0 is saved only as its end (--max-iters 0)
-            return (step % cfg.ckpt_interval == 0 and step > 0 or step == cfg.max_iters) and step != resumed_at
+            return ((step % cfg.ckpt_interval == 0 and step > 0 or step == cfg.max_iters)
+                    and step != resumed_at)
 
-        # the loop: metrics.jsonl (and W&B), the progress bar, and SIGINT/SIGTERM turned into a checkpoint
+        # the loop: metrics.jsonl (and W&B), the progress bar,
+        # and SIGINT/SIGTERM turned into a checkpoint
         t_start = time.time() - elapsed  # wall time counts on across resumes
-        cpu_start = time.process_time() - cpu_elapsed  # and this process's CPU time, which other jobs do not inflate
+        # and this process's CPU time, which other jobs do not inflate
+        cpu_start = time.process_time() - cpu_elapsed
         with RunRecord(out_dir, master, resume_step=resumed_at) as record, \
                 Progress(cfg, master, iter_num) as bar, StopFlag(master, lock.quit_now) as stop:
 
             def checkpoint(path):
-                """The run's state now, written atomically by rank 0 (under FSDP every rank gathers it)."""
+                """The run's state now, written atomically by rank 0
+                (under FSDP every rank gathers it)."""
                 model_state, optim_state = full_state(raw_model, optimizer, cfg.fsdp, master)
                 if master:
                     save_checkpoint(checkpoint_dict(
                         model_state, raw_model.config, asdict(cfg), iter_num, best_val_loss,
-                        dataset_info(ds.meta, cfg.dataset), optimizer=optim_state, scaler=scaler.state_dict(),
-                        rng=rng_state(), elapsed=time.time() - t_start, cpu_elapsed=time.process_time() - cpu_start,
-                        commit=record.commit), path)
+                        dataset_info(ds.meta, cfg.dataset), optimizer=optim_state,
+                        scaler=scaler.state_dict(), rng=rng_state(), elapsed=time.time() - t_start,
+                        cpu_elapsed=time.process_time() - cpu_start, commit=record.commit), path)
                 lock.started()  # a checkpoint is there: the folder holds this run
 
             if master:
                 record.write_config(cfg, raw_model, ds.meta, world_size, device, dtype)
                 if changed:
-                    record.log(kind="resume", step=iter_num, changed={k: list(v) for k, v in changed.items()})
-                print(f"{mode_label(cfg)}: {raw_model.get_num_params():,} parameters, {tokens_per_iter:,} tokens "
-                      f"per step, {device} {dtype}{' compiled' if compiled else ''}, run directory {out_dir}; each loss "
-                      f"below is the mean of {cfg.eval_iters} fixed batches of its split")
+                    record.log(kind="resume", step=iter_num,
+                               changed={k: list(v) for k, v in changed.items()})
+                print(f"{mode_label(cfg)}: {raw_model.get_num_params():,} parameters, "
+                      f"{tokens_per_iter:,} tokens per step, {device} {dtype}"
+                      f"{' compiled' if compiled else ''}, run directory {out_dir}; "
+                      f"each loss below is the mean of {cfg.eval_iters} fixed batches of its split")
                 if cfg.resume:
                     print(f"resuming at step {iter_num} from {out_dir / 'last.pt'}")
             saved_at = resumed_at  # the step last.pt holds
             loss, val_loss, tok_s = float("nan"), None, None
-            while True:  # max_iters + 1 passes: the last one only evaluates and checkpoints the final model
+            # max_iters + 1 passes: the last one only evaluates and checkpoints the final model
+            while True:
 
                 # evaluate every eval_interval steps and at the end; best.pt keeps the best so far
                 if evaluate_now(iter_num):
                     losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
                     val_loss = losses["val"]
-                    record.log(kind="eval", step=iter_num, train_loss=losses["train"], val_loss=val_loss,
-                               elapsed=time.time() - t_start, cpu_s=time.process_time() - cpu_start,
-                               routing=losses.get("routing"))
-                    said = f"step {iter_num}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}"
-                    sharpness = losses.get("routing", {}).get("mean_max_weight", math.nan)  # NaN: one source each
+                    record.log(kind="eval", step=iter_num, train_loss=losses["train"],
+                               val_loss=val_loss, elapsed=time.time() - t_start,
+                               cpu_s=time.process_time() - cpu_start, routing=losses.get("routing"))
+                    said = (f"step {iter_num}: train loss {losses['train']:.4f}, "
+                            f"val loss {val_loss:.4f}")
+                    # NaN: one source each
+                    sharpness = losses.get("routing", {}).get("mean_max_weight", math.nan)
                     if math.isfinite(sharpness):
                         said += f", routing max weight {sharpness:.3f}"
                     bar.write(said)
@@ -339,7 +404,8 @@ def train(cfg):
                         best_val_loss = val_loss
                         if iter_num > 0:
                             checkpoint(out_dir / "best.pt")
-                # last.pt every ckpt_interval steps and at the end (always one, even for a short run)
+                # last.pt every ckpt_interval steps and at the end
+                # (always one, even for a short run)
                 if save_now(iter_num):
                     checkpoint(out_dir / "last.pt")
                     saved_at = iter_num
@@ -352,17 +418,22 @@ def train(cfg):
                     group["lr"] = lr * group["lr_mult"]
                 t0 = time.time()
                 # ---------------- TRAINING STEP BEGIN ----------------
-                # batches and dropout come from (seed, step): a resumed run, and any world size, redraw the same
+                # batches and dropout come from (seed, step):
+                # a resumed run, and any world size, redraw the same
                 torch.manual_seed(derive_seed(cfg.seed, DROPOUT, iter_num, rank))
                 starts = batch_starts(ds.train, cfg.block_size, cfg.batch_size * accum * world_size,
                                       (cfg.seed, TRAIN_BATCHES, iter_num))
                 loss_sum = torch.zeros((), device=device)
-                # forward backward update, with optional gradient accumulation to simulate larger batch size
+                # forward backward update,
+                # with optional gradient accumulation to simulate larger batch size
                 for micro in range(accum):
-                    part = (rank * accum + micro) * cfg.batch_size  # rank r's micro-step m: slice r * accum + m
-                    X, Y = get_batch(ds.train, cfg.block_size, starts[part:part + cfg.batch_size], device)
+                    # rank r's micro-step m: slice r * accum + m
+                    part = (rank * accum + micro) * cfg.batch_size
+                    X, Y = get_batch(ds.train, cfg.block_size, starts[part:part + cfg.batch_size],
+                                     device)
                     last = micro == accum - 1
-                    if ddp:  # sync gradients on the last micro-step only (nanoGPT's way, not no_sync())
+                    # sync gradients on the last micro-step only (nanoGPT's way, not no_sync())
+                    if ddp:
                         model.require_backward_grad_sync = last
                     if cfg.fsdp:
                         raw_model.set_requires_gradient_sync(last)
@@ -371,16 +442,20 @@ def train(cfg):
                     loss_sum += micro_loss.detach()
                     # backward pass, with gradient scaling if training in fp16
                     scaler.scale(micro_loss / accum).backward()
-                # one all-reduce tells every rank the step's loss and whether any rank was signalled to stop
-                stats = torch.stack([loss_sum / accum, torch.tensor(float(stop.signal is not None), device=device)])
+                # one all-reduce tells every rank the step's loss
+                # and whether any rank was signalled to stop
+                stats = torch.stack([loss_sum / accum,
+                                     torch.tensor(float(stop.signal is not None), device=device)])
                 if world_size > 1:
                     torch.distributed.all_reduce(stats)
                     stats[0] /= world_size
                 loss, stop_now = stats[0].item(), stats[1].item() > 0
-                if stop_now:  # a signal: this step's gradients are dropped (resuming redoes it) and the run stops
+                # a signal: this step's gradients are dropped (resuming redoes it) and the run stops
+                if stop_now:
                     checkpoint(out_dir / "last.pt")
                     bar.close()
-                    message = (f"stopped by signal at step {iter_num}; checkpoint {out_dir / 'last.pt'} written "
+                    message = (f"stopped by signal at step {iter_num}; "
+                               f"checkpoint {out_dir / 'last.pt'} written "
                                f"(continue with --resume)")
                     if master:
                         print(message)
@@ -389,15 +464,20 @@ def train(cfg):
                 if saved_at is not None:
                     kept = f"{out_dir / 'last.pt'} still holds step {saved_at}"
                 if not math.isfinite(loss):
-                    raise TrainError(f"loss is {loss} at step {iter_num}; stopped without applying it, {kept} "
+                    raise TrainError(f"loss is {loss} at step {iter_num}; "
+                                     f"stopped without applying it, {kept} "
                                      f"(lower --learning-rate or check the data)")
                 # clip the gradient
                 scaler.unscale_(optimizer)
-                norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or float("inf"))
-                grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # FSDP: sharded
-                if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16's scaler skips such steps
-                    raise TrainError(f"gradient norm is {grad_norm} at step {iter_num} (loss {loss:.4f}); stopped "
-                                     f"without applying it, {kept} (lower --learning-rate or check the data)")
+                norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
+                                                      cfg.grad_clip or float("inf"))
+                # FSDP: sharded
+                grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+                # fp16's scaler skips such steps
+                if not math.isfinite(grad_norm) and not scaler.is_enabled():
+                    raise TrainError(f"gradient norm is {grad_norm} at step {iter_num} "
+                                     f"(loss {loss:.4f}); stopped without applying it, {kept} "
+                                     f"(lower --learning-rate or check the data)")
                 # step the optimizer and scaler if training in fp16
                 scaler.step(optimizer)
                 scaler.update()
@@ -412,38 +492,45 @@ def train(cfg):
                 tok_s = tokens_per_iter / dt
                 mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, device) if master else None
                 if iter_num % cfg.log_interval == 0:
-                    record.log(kind="train", step=iter_num, train_loss=loss, lr=lr, tokens_per_s=tok_s,
-                               elapsed=time.time() - t_start, mfu=mfu)
+                    record.log(kind="train", step=iter_num, train_loss=loss, lr=lr,
+                               tokens_per_s=tok_s, elapsed=time.time() - t_start, mfu=mfu)
                 bar.step(iter_num, loss, lr, tok_s, mfu)
-        return dict(val_loss=val_loss, best_val_loss=best_val_loss, train_loss=loss, iter_num=iter_num,
-                    elapsed=time.time() - t_start, tokens_per_s=tok_s, out_dir=cfg.out_dir,
-                    params=raw_model.get_num_params())
+        return dict(val_loss=val_loss, best_val_loss=best_val_loss, train_loss=loss,
+                    iter_num=iter_num, elapsed=time.time() - t_start, tokens_per_s=tok_s,
+                    out_dir=cfg.out_dir, params=raw_model.get_num_params())
 
 
 # -----------------------------------------------------------------------------
-# the command line: `python train.py --residual delta ...`; cli.py, compare and studies build their configs here too
+# the command line: `python train.py --residual delta ...`;
+# cli.py, compare and studies build their configs here too
 
 def make_config(preset=None, **overrides):
-    """TrainConfig from a named preset plus field overrides; bad names and values raise ConfigError."""
+    """TrainConfig from a named preset plus field overrides;
+    bad names and values raise ConfigError."""
     cfg = preset_config(TrainConfig, PRESETS, preset, **overrides)
     check_config(cfg)
     return cfg
 
 
 def resume_config(preset=None, **overrides):
-    """The config of the run in out_dir (from its last.pt) with `overrides` on top, for --resume; another
-    architecture is refused, naming the options given and the run's values."""
-    out_dir = out_dir_of(preset_config(TrainConfig, PRESETS, preset, **{**overrides, "resume": True}))
+    """The config of the run in out_dir (from its last.pt) with `overrides` on top, for --resume;
+    another architecture is refused, naming the options given and the run's values."""
+    out_dir = out_dir_of(preset_config(TrainConfig, PRESETS, preset,
+                                       **{**overrides, "resume": True}))
     ckpt = load_checkpoint(Path(out_dir) / "last.pt", mmap=True)
     names = {f.name for f in fields(TrainConfig)}
     saved = replace(TrainConfig(), **{k: v for k, v in ckpt["config"].items() if k in names})
     if preset is not None and preset != saved.preset:
-        raise ConfigError(f"--preset {preset} differs from the run's preset {saved.preset}; a resumed run keeps its preset")
-    has = model_config(saved, vocab_size=1)  # the run's architecture, each mode's defaults filled in
-    changed = [f"--{flag(k)} {v} (the run has {getattr(has, k) if getattr(has, k) is not None else 'none'})"
+        raise ConfigError(f"--preset {preset} differs from the run's preset {saved.preset}; "
+                          f"a resumed run keeps its preset")
+    # the run's architecture, each mode's defaults filled in
+    has = model_config(saved, vocab_size=1)
+    changed = [f"--{flag(k)} {v} "
+               f"(the run has {getattr(has, k) if getattr(has, k) is not None else 'none'})"
                for k, v in overrides.items() if k in ARCH_FIELDS and v != getattr(has, k)]
     if changed:
-        raise ConfigError(f"cannot resume {out_dir} with another architecture: {'; '.join(changed)}; "
+        raise ConfigError(f"cannot resume {out_dir} with another architecture: "
+                          f"{'; '.join(changed)}; "
                           f"leave these out, or train a new run in another --out-dir")
     # the saved init_from only records where the run began: its weights now come from last.pt
     cfg = replace(saved, **{**overrides, "resume": True})
@@ -455,17 +542,19 @@ def config_from_args(argv):
     """The TrainConfig a command line asks for: a fresh run, or with --resume the run in out_dir."""
     preset, overrides = parse_args(argv, TrainConfig)
     try:
-        return resume_config(preset, **overrides) if overrides.get("resume") else make_config(preset, **overrides)
+        return (resume_config(preset, **overrides) if overrides.get("resume")
+                else make_config(preset, **overrides))
     except ConfigError as e:
         raise ConfigError(as_typed(str(e))) from None
 
 
 def main(argv=None):
-    """`python train.py ...` and `python cli.py train ...`: parse the options, train, say how it ended; bad input
-    becomes one line and exit status 1, an interrupted run exits 130."""
+    """`python train.py ...` and `python cli.py train ...`: parse the options, train, say how it
+    ended; bad input becomes one line and exit status 1, an interrupted run exits 130."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print("usage: python train.py [--preset P] [--FIELD VALUE ...]   (or python cli.py train ...)\n")
+        print("usage: python train.py [--preset P] [--FIELD VALUE ...]   "
+              "(or python cli.py train ...)\n")
         print(train_help(TrainConfig, PRESETS).replace("\b\n", ""))
         return
     try:
@@ -478,9 +567,11 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     if summary.get("val_loss") is not None and int(os.environ.get("RANK", 0)) == 0:
-        where = "evaluated only, nothing written" if cfg.eval_only else f"checkpoints in {out_dir_of(cfg)}"
-        print(f"done: val loss {summary['val_loss']:.4f} (perplexity {math.exp(summary['val_loss']):.2f}, the mean "
-              f"of {cfg.eval_iters} fixed batches) after {summary['iter_num']} steps; {where}")
+        where = ("evaluated only, nothing written" if cfg.eval_only
+                 else f"checkpoints in {out_dir_of(cfg)}")
+        print(f"done: val loss {summary['val_loss']:.4f} "
+              f"(perplexity {math.exp(summary['val_loss']):.2f}, the mean of {cfg.eval_iters} "
+              f"fixed batches) after {summary['iter_num']} steps; {where}")
     end_torchrun_process()
 
 
