@@ -11,7 +11,7 @@ RUN ?= runs/quickstart
 DATA_ARGS ?=
 TRAIN_ARGS ?=
 
-.PHONY: install test test-fast check-pages train bench gpu-check clean
+.PHONY: install test test-fast check-pages exercises train bench gpu-check clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test-fast: $(STAMP)
 # the pages' commands rerun in a fresh clone, every quoted output checked (about 40 minutes on two idle cores)
 check-pages: $(STAMP)
 	$(PY) tests/check_pages.py
+
+# the checks of the exercises a student writes in exercises/ (docs/exercises.md, "Write the router yourself"):
+# seconds, one thread; the suite (make test) does not collect them, since the stubs are unsolved
+exercises: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest exercises -q -p no:xdist
 
 train: $(STAMP)
 	$(PY) cli.py prepare $(DATA_ARGS)

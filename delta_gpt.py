@@ -203,10 +203,10 @@ class Stream:
       baseline            keeps_stream             u_k = x_{k-1}                  (router is None)
       delta, delta_block  keeps_stream and routed  u_k = x_{k-1} + read(sources)  (additive routing)
       attnres             routed                   u_k = read(sources)            (replacement)
-    and after the last sublayer attnres's final router reads all sources. The sources are e and the completed blocks b_1, b_2, ... (each the sum of its sublayers' v's;
-    per sublayer, N = S, each v is a block), plus the current block's partial sum where it is routed
-    and not empty. route_sources="cumulative" swaps each source for the stream's value x at that
-    boundary.
+    and after the last sublayer attnres's final router reads all sources. The sources are e and the
+    completed blocks b_1, b_2, ... (each the sum of its sublayers' v's; per sublayer, N = S, each v
+    is a block), plus the current block's partial sum where it is routed and not empty.
+    route_sources="cumulative" swaps each source for the stream's value x at that boundary.
     """
 
     def __init__(self, e, config, record=None):
