@@ -5,7 +5,7 @@ import ast
 
 from conftest import ROOT
 
-PROJECT = ("cli", "delta_gpt", "errors", "sample", "train", "data", "plumbing", "workbench")
+PROJECT = ("cli", "delta_gpt", "errors", "sample", "train", "data", "plumbing", "workbench", "exercises")
 
 
 def modules():

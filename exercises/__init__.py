@@ -1,0 +1,3 @@
+"""Exercises a student writes: one file per exercise, each function a stub to fill (docs/exercises.md,
+"Write the router yourself"). `python -m pytest exercises` checks them; `python -m exercises.train_mine`
+trains with your router."""

@@ -1,0 +1,86 @@
+"""Train with your own router: `python -m exercises.train_mine --residual delta --max-iters 300` (any option
+of `python cli.py train`). Every dynamic router then reads its sources with your route()
+(exercises/router_read.py), or with --route-heads H > 1 your route_heads() (exercises/multi_head.py), in
+place of delta_gpt's Router.forward, on the readable path (--no-fast-routing: the fast path never calls
+Router.forward); the rest is `python cli.py train`."""
+import sys
+from contextlib import contextmanager
+
+import torch
+
+import cli
+import train as T
+from delta_gpt import Router, upcast
+from errors import ConfigError, DeltaGPTError
+from exercises import check
+
+
+def load_router(heads):
+    """Your route (heads == 1) or route_heads, checked first: an unusable file stops here, a wrong one gets a
+    note."""
+    name, fn, check_fn = ("router_read", "route", check.router_read) if heads == 1 else \
+        ("multi_head", "route_heads", check.multi_head)
+    student = check.load(name)
+    try:
+        check_fn(student)
+    except check.Unusable:
+        raise
+    except check.Wrong as e:
+        print(f"note: {e} Training with it anyway.", file=sys.stderr)
+    return student, fn
+
+
+@contextmanager
+def routed_by(student, fn):
+    """Router.forward replaced by your function; yields the count of its calls, and restores Router.forward
+    at the end."""
+    original, calls = Router.forward, [0]
+
+    def forward(self, sources):
+        calls[0] += 1
+        with torch.autocast(sources[0].device.type, enabled=False):  # float32 (or float64), as Router.forward
+            s, w, g = [upcast(x) for x in sources], upcast(self.query), upcast(self.norm.weight)
+            read, alpha = student(fn, s, w, g) if self.heads == 1 else student(fn, s, w, g, self.heads)
+        return read.to(sources[0].dtype), alpha
+
+    Router.forward = forward
+    try:
+        yield calls
+    finally:
+        Router.forward = original
+
+
+def main(argv=None):
+    """Check your router, then `cli.py train ARGV --no-fast-routing` with it; bad input: one line, exit 1."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return
+    try:
+        cfg = T.config_from_args(argv)
+        if cfg.residual == "baseline":
+            raise ConfigError("--residual baseline has no router to run your code; choose attnres, delta or "
+                              "delta_block")
+        if cfg.route_weights == "static":
+            raise ConfigError("--route-weights static has no query for your router; leave it out (dynamic "
+                              "routing)")
+        student, fn = load_router(cfg.route_heads or 1)
+    except (DeltaGPTError, check.Wrong) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    with routed_by(student, fn) as calls:
+        try:
+            cli.app(["train", *argv, "--no-fast-routing"], prog_name="python -m exercises.train_mine")
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        except check.Wrong as e:  # your function failed on the training's inputs
+            print(f"error: {e}", file=sys.stderr)
+            code = 1
+    if code == 0:
+        print(f"{student.file}: your {fn}() routed every sublayer of this run ({calls[0]:,} calls)")
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
