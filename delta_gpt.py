@@ -695,17 +695,17 @@ def is_routing_key(name):
 
 
 # ================================================================================================
-# The fast path for routing (GPTConfig.fast_routing, on by default). The same numbers as Router
-# and Stream above up to float rounding (tests/test_model.py holds them equal, gradients
+# The fast path for routing (GPTConfig.fast_routing: every preset's but cpu's). The same numbers as
+# Router and Stream above up to float rounding (tests/test_model.py holds them equal, gradients
 # included), with activation memory linear in depth and few passes over memory. A first reading
 # can skip this section.
 #
-# Router above stacks its n sources, so autograd keeps a stacked copy per sublayer: O(S^2 * B*T*D)
+# Router above forms each source's keys, and autograd keeps them, per sublayer: O(S^2 * B*T*D)
 # floats over the model. Here instead (Kimi's two-phase computation, on the CPU):
 #  - w . RMSNorm_g(s) = ((w * g) . s) / rms(s): a source enters the logits only through its score
 #    against the folded query q = w * g; the keys are never formed.
-#  - Phase 1: a completed block is scored once, when it is born, against every router still to read
-#    it, in one product (Score); each of those routers takes its row.
+#  - Phase 1: a completed block is scored once, at the first read after it is born, against every
+#    router still to read it, in one product (Score); each of those routers takes its row.
 #  - Phase 2: the current block's partial sum changes at every sublayer and only one router reads
 #    it, so RouteRead scores it against that router's query, then takes the softmax and the weighted
 #    sum (added straight onto x in the additive modes), looping over the sources in place and saving
