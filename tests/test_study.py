@@ -149,8 +149,9 @@ def test_shipped_studies_cross_into_valid_runs(tmp_path):
         once = [v for v in study.variants if study.sweep and not S.sweep_applies(study, v)]
         unique = {r.cfg.out_dir for r in runs}
         assert len(unique) == len(study.seeds) * (values * (len(study.variants) - len(once)) + len(once)), path
-        # the exercises use the cpu preset as it is; the map's width point and its study (-w128) are 128 wide
-        width = 128 if path.stem.startswith("exercise") or "w128" in path.stem else 64
+        # the exercises and the lab studies use the cpu preset's width; the map's width point and its studies
+        # (-w128) are 128 wide too
+        width = 128 if path.stem.startswith(("exercise", "lab")) or "w128" in path.stem else 64
         assert all(r.cfg.n_embd == width and r.cfg.dataset == "shakespeare_char" for r in runs), path
 
 
