@@ -286,7 +286,7 @@ def train(cfg):
                 model = resume_model(cfg, ckpt, ds.meta)
                 iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
             elif cfg.init_from == "scratch":
-                # GPT-2's, padded to 64
+                # GPT-2's vocabulary, padded up to a multiple of 64
                 vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size
                 model = GPT(model_config(cfg, vocab_size))
             elif cfg.init_from in GPT2_MODELS:
