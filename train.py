@@ -183,6 +183,9 @@ def get_lr(it, cfg):
     return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
 
 
+SILENT_S = 60  # an evaluation that would sit silent longer than this says how long it takes
+
+
 @torch.no_grad()
 def estimate_loss(model, ds, split, eval_iters, batch_size, ctx=nullcontext(), progress=False):
     """Mean loss over the first eval_iters fixed evaluation batches of a split (the same for every
@@ -196,7 +199,7 @@ def estimate_loss(model, ds, split, eval_iters, batch_size, ctx=nullcontext(), p
         X, Y = eval_batch(ds, split, k, batch_size, model.config.block_size, device)
         with ctx:
             losses.append(model(X, Y)[1].item())
-        if progress and k == 0 and (time.time() - t0) * eval_iters > 60:
+        if progress and k == 0 and (time.time() - t0) * eval_iters > SILENT_S:
             print(f"note: one {split} batch took {time.time() - t0:.0f} s: "
                   f"this split's loss takes about {(time.time() - t0) * eval_iters / 60:.0f} min "
                   f"({eval_iters} batches, --eval-iters)", flush=True)

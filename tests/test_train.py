@@ -684,6 +684,17 @@ def test_the_cpu_preset_trains_on_the_code_a_student_reads(tiny_data, tmp_path, 
     assert not calls
 
 
+def test_a_slow_evaluation_says_how_long_it_takes(tiny_data, tmp_path, monkeypatch, capsys):
+    """A run whose evaluation would sit silent for minutes (a very long context) says so at its first batch."""
+    monkeypatch.setattr(T, "SILENT_S", 0.0)
+    T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=1, progress=True))
+    out = capsys.readouterr().out
+    assert "note: one train batch took 0 s: this split's loss takes about 0 min (2 batches, --eval-iters)" in out
+    monkeypatch.setattr(T, "SILENT_S", 60)
+    T.train(cfg_for(tiny_data, tmp_path / "quiet", max_iters=1, progress=True))
+    assert "note: one" not in capsys.readouterr().out
+
+
 def test_fast_routing_is_a_training_option_not_architecture(tiny_data, tmp_path):
     """A run trained on the plain path resumes on the fast one (and the losses agree to float rounding)."""
     T.train(cfg_for(tiny_data, tmp_path / "plain", residual="delta", fast_routing=False, max_iters=4))
