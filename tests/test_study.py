@@ -305,6 +305,8 @@ def test_two_runs_at_a_time_give_the_numbers_of_one_at_a_time(tiny_data, tmp_pat
     one = ok("compare", "--study", path, "--out", tmp_path / "one", "--threads", 1)
     two = ok("compare", "--study", path, "--out", tmp_path / "two", "--threads", 1, "--jobs", 2)
     assert "at 2 at a time" in two and two.count("train.log there") == 4 and two.count("finished at step 4") == 4
+    started = [line.split(":")[0] for line in two.splitlines() if line.endswith("(its output: train.log there)")]
+    assert started == ["baseline seed 1", "delta seed 1", "baseline seed 2", "delta seed 2"]  # a seed's pair side by side
     runs = {folder: {(r["variant"], r["seed"]): r["val_loss"] for r in
                      json.loads((tmp_path / folder / "compare.json").read_text())["runs"]} for folder in ("one", "two")}
     assert runs["one"] == runs["two"] and len(runs["two"]) == 4

@@ -213,7 +213,9 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, cl
     S.claim_folder(study, out, overwrite)
     try:
         if jobs > 1:
-            train_side_by_side([(r, state) for r, (state, _) in zip(unique, states)], jobs, echo)
+            # a seed's runs side by side, so that the runs read at equal time share the machine's state
+            todo = sorted(zip(unique, (state for state, _ in states)), key=lambda pair: pair[0].seed)
+            train_side_by_side(todo, jobs, echo)
         else:
             for r, (state, _) in zip(unique, states):
                 train_or_reuse(r.cfg, state, run_label(r), echo)
