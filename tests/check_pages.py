@@ -3,6 +3,7 @@ Minutes of CPU (about 40 on two idle cores), outside the test suite:
 
     python tests/check_pages.py                          # README's quick start, exercises.md, then answers.md
     python tests/check_pages.py --keep /tmp/pages         # keep the clone it ran in
+    python tests/check_pages.py --runs /tmp/finished      # reuse finished runs: DIR/exercise-heads/baseline-s1, ...
 
 It clones this checkout (committed files only) into a scratch folder, runs `make train` there (the quick start
 the pages assume), then every fenced block of commands of docs/exercises.md and docs/answers.md in order, as
@@ -10,7 +11,10 @@ one bash script each with the project's .venv first on PATH. The fenced block th
 commands, before the next one, is what it must print: every quoted line has to appear in the output, in
 order (`...` skips), with the clock's numbers masked (tokens/s, speed and equal-time columns, durations,
 estimates). A page's edits to the code are HTML comments `<!-- check: COMMAND -->`, run before the next block.
-The pages' numbers hold for PyTorch's default threads on two idle cores: run it on an idle machine.
+The pages' numbers hold for PyTorch's default threads on two idle cores: run it on an idle machine. `--runs DIR`
+copies DIR's run folders into the clone's runs/ first: `compare` reuses a finished run whose settings are the
+ones asked for (and refuses one with other settings), so a long study's table is checked without training it
+again (exercise 8's 23 minutes, from the same runs of a larger study).
 """
 import argparse
 import os
@@ -28,7 +32,8 @@ CLOCK_COLUMNS = {"tokens/s", "speed", "vs ref, equal time", "vs baseline, equal 
                  "vs baseline, equal CPU time", "x time"}
 CLOCK = [(re.compile(r"about [\d.]+ (s|min|h)\b"), "about ~"), (re.compile(r"\bin [\d.]+s\b"), "in ~s"),
          (re.compile(r"[\d,]+ tokens/s"), "~ tokens/s"), (re.compile(r"\(\d+:\d+:\d+\)"), ""),
-         (re.compile(r", \d+ deselected"), "")]  # pytest's count of the tests a -k leaves out grows with the suite
+         (re.compile(r", \d+ deselected"), ""),  # pytest's count of the tests a -k leaves out grows with the suite
+         (re.compile(r"\d+ finished, \d+ to train\b.*"), "~ finished")]  # a study's plan: --runs finishes runs ahead
 
 
 def blocks(text):
@@ -83,7 +88,10 @@ def check(expected, actual):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--keep", type=Path, help="run in this folder and keep it (default: a scratch folder, removed)")
+    ap.add_argument("--runs", type=Path, help="copy the finished runs in this folder into the clone's runs/ first")
     args = ap.parse_args(argv)
+    if args.runs is not None and not args.runs.is_dir():
+        sys.exit(f"error: --runs {args.runs} is not a folder; give the folder that holds the studies' run folders")
     where = args.keep or Path(tempfile.mkdtemp(prefix="pages-"))
     clone = where / "clone"
     if clone.exists():
@@ -91,6 +99,8 @@ def main(argv=None):
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     if (ROOT / ".venv").exists():  # the installed environment, rather than a second install
         (clone / ".venv").symlink_to(ROOT / ".venv")
+    if args.runs is not None:
+        shutil.copytree(args.runs, clone / "runs", dirs_exist_ok=True)
     env = dict(os.environ, PATH=f"{clone / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(clone / ".venv"))
     env.pop("OMP_NUM_THREADS", None)
     failures = 0

@@ -44,3 +44,17 @@ def test_the_anchor_rule_is_githubs():
     page = ROOT / "docs" / "results.md"
     assert "the-papers-numbers-for-reference-theirs-not-measured-here" in anchors(page)
     assert "delta-blocks-block-count-at-8-layers" in anchors(page)
+
+
+def test_check_pages_masks_the_clock_and_a_studys_finished_count():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("check_pages", ROOT / "tests" / "check_pages.py")
+    cp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cp)
+    quoted = ["study s: 2 runs (2 variants x 1 seed), 0 finished, 2 to train, about 29 min at 2 at a time (an estimate)",
+              "| variant | val loss | tokens/s |", "|---|---|---|", "| baseline | 1.6436 | 3,227 |"]
+    printed = ["study s: 2 runs (2 variants x 1 seed), 2 finished, 0 to train",
+               "| variant | val loss | tokens/s |", "|---|---|---|", "| baseline | 1.6436 | 3,640 |"]
+    assert cp.check(quoted, printed) == []
+    assert cp.check(["| variant | val loss | tokens/s |", "|---|---|---|", "| baseline | 1.6435 | 3,227 |"],
+                    printed) == ["| baseline | 1.6435 | ~ |"]
