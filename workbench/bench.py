@@ -364,7 +364,7 @@ def main(argv=None, prog=None):
     for name in ALL if args.config == "all" else [args.config]:
         config, batch = cpu_config(name, args)
         shape = (f"\n{name}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, "
-                 f"batch {batch}, fp32 eager, {torch.get_num_threads()} threads, malloc {malloc}")
+                 f"batch {batch}, fp32 eager, threads {torch.get_num_threads()}, malloc {malloc}")
         if args.profile:
             steps = args.steps or 5
             print(f"{shape}, torch.profiler over {steps} steps of each mode, interleaved", flush=True)
