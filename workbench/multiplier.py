@@ -18,6 +18,8 @@ import json
 import statistics
 import sys
 
+from workbench.report import markdown
+
 
 def runs_by_seed(result, variant):
     """{seed: run summary} of one variant of a compare.json."""
@@ -56,13 +58,11 @@ def multipliers(result, variant, baselines):
 def table(rows, variant):
     """The rows as Markdown."""
     lengths = ", ".join(str(s) for s, _ in rows[0]["curve"])
-    lines = [f"| seed | {variant}: steps | its val loss | the baseline's final loss at {lengths} steps | "
-             f"baseline steps for that loss | x steps | x time |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        losses = ", ".join(f"{loss:.4f}" for _, loss in r["curve"])
-        lines.append(f"| {r['seed']} | {r['steps']} | {r['val_loss']:.4f} | {losses} | {r['bound']}"
-                     f"{r['baseline_steps']:.0f} | {r['bound']}{r['step_x']:.2f} | {r['bound']}{r['time_x']:.2f} |")
-    return "\n".join(lines)
+    head = ["seed", f"{variant}: steps", "its val loss", f"the baseline's final loss at {lengths} steps",
+            "baseline steps for that loss", "x steps", "x time"]
+    return markdown(head, [[r["seed"], r["steps"], f"{r['val_loss']:.4f}",
+                            ", ".join(f"{loss:.4f}" for _, loss in r["curve"]), f"{r['bound']}{r['baseline_steps']:.0f}",
+                            f"{r['bound']}{r['step_x']:.2f}", f"{r['bound']}{r['time_x']:.2f}"] for r in rows])
 
 
 def main(argv=None):
