@@ -227,8 +227,11 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
         assert (out / f"curves-learning_rate={lr}.png").exists()
         pair, back = (p for p in result["pairs"] if p["sweep"] == lr)  # delta - baseline is the reference's column
         assert (pair["diff"], pair["diff_se"], pair["wins"]) == (row["diff"], row["diff_se"], row["wins"])
+        assert (pair["equal_time_diff"], pair["equal_time_se"]) == (row["equal_time_diff"], row["equal_time_se"])
         assert back["diff"] == pytest.approx(-row["diff"]) and back["wins"] == 2 - row["wins"]
-        assert f"| {lr} | delta - baseline | {row['diff']:+.4f} ± {row['diff_se']:.4f} | {row['wins']}/2 |" in table
+        assert back["equal_time_diff"] == pytest.approx(-row["equal_time_diff"])
+        assert (f"| {lr} | delta - baseline | {row['diff']:+.4f} ± {row['diff_se']:.4f} | {row['wins']}/2 | "
+                f"{row['equal_time_diff']:+.4f} ± {row['equal_time_se']:.4f} |") in table
     assert (out / "compare.md").read_text().split("\n\n")[0] in table and (out / "loss.png").exists()
     monkeypatch.setattr(T, "train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
     again = ok("compare", "--study", path, "--out", out)
@@ -236,6 +239,7 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
     # --clock cpu reads equal time on each run's own CPU time, which train records beside its wall time
     cpu = ok("compare", "--study", path, "--out", out, "--clock", "cpu")
     assert "vs ref, equal CPU time" in cpu and "total CPU time of each pair" in (out / "compare.md").read_text()
+    assert "| learning_rate | pair | val loss difference | beat | equal CPU time |" in cpu
     summaries = json.loads((out / "compare.json").read_text())["runs"]
     for r in summaries:
         evals = [m for m in RD.read_metrics(r["out_dir"]) if m["kind"] == "eval"]

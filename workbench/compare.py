@@ -230,7 +230,7 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, cl
     table = R.study_table(rows, study.reference, option, clock)
     pairs = R.pair_rows(summaries, study.pairs)
     if pairs:  # a pair's difference, seed by seed: a minus b on the same batches (the reference's, for both)
-        table += "\n\n" + R.pair_table(pairs, option)
+        table += "\n\n" + R.pair_table(pairs, option, clock)
     R.save_json(dict(name=study.name, study=study.definition(), rows=rows, pairs=pairs, runs=summaries),
                 out / "compare.json")
     best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)],

@@ -261,6 +261,15 @@ def loss_at(curve, t):
     return points[-1][1]
 
 
+def equal_time(runs, refs):
+    """runs, refs: {seed: run summary} -> paired() of the val loss curves, per seed both read at the shorter
+    run's total time (wall or CPU, as the summaries' clock recorded it)."""
+    at = {k: min(s["elapsed"], refs[k]["elapsed"]) for k, s in runs.items()
+          if k in refs and s["elapsed"] is not None and refs[k]["elapsed"] is not None}
+    return paired({k: loss_at(runs[k]["curve"], t) for k, t in at.items()},
+                  {k: loss_at(refs[k]["curve"], t) for k, t in at.items()})
+
+
 def study_rows(summaries, reference, option=None):
     """summaries: one dict per run (variant, sweep, seed, val_loss, tokens_per_s, routing stats, elapsed,
     curve) -> a row per sweep value and variant: compare_rows' figures, the paired difference to the
@@ -278,10 +287,7 @@ def study_rows(summaries, reference, option=None):
             runs, other = {s["seed"]: s for s in group[variant]}, variant != reference
             diff, se, wins, n = paired({k: s["val_loss"] for k, s in runs.items()},
                                        {k: s["val_loss"] for k, s in ref.items()})
-            at = {k: min(s["elapsed"], ref[k]["elapsed"]) for k, s in runs.items()
-                  if k in ref and s["elapsed"] is not None and ref[k]["elapsed"] is not None}
-            t_diff, t_se, _, _ = paired({k: loss_at(runs[k]["curve"], t) for k, t in at.items()},
-                                        {k: loss_at(ref[k]["curve"], t) for k, t in at.items()})
+            t_diff, t_se, _, _ = equal_time(runs, ref)
             speed, ref_speed = (mean_std([s["tokens_per_s"] for s in g.values()])[0] for g in (runs, ref))
             rows.append(dict(row, variant=variant, sweep=value, option=option,
                              diff=diff if other else None, diff_se=se if other else None, wins=wins, paired=n,
@@ -314,25 +320,30 @@ def study_table(rows, reference, option=None, clock="wall"):
 
 
 def pair_rows(summaries, pairs):
-    """The paired difference of each pair [a, b] of variants (a minus b, seed by seed) at every sweep value."""
+    """The paired difference of each pair [a, b] of variants (a minus b, seed by seed) at every sweep value,
+    at the end and at equal time."""
     rows = []
     for value in dict.fromkeys(s["sweep"] for s in summaries):
-        loss = {}
+        runs = {}
         for s in summaries:
             if s["sweep"] == value:
-                loss.setdefault(s["variant"], {})[s["seed"]] = s["val_loss"]
+                runs.setdefault(s["variant"], {})[s["seed"]] = s
         for a, b in pairs:
-            diff, se, wins, n = paired(loss.get(a, {}), loss.get(b, {}))
-            rows.append(dict(sweep=value, a=a, b=b, diff=diff, diff_se=se, wins=wins, paired=n))
+            ra, rb = runs.get(a, {}), runs.get(b, {})
+            diff, se, wins, n = paired(*({k: s["val_loss"] for k, s in r.items()} for r in (ra, rb)))
+            t_diff, t_se, _, _ = equal_time(ra, rb)
+            rows.append(dict(sweep=value, a=a, b=b, diff=diff, diff_se=se, wins=wins, paired=n,
+                             equal_time_diff=t_diff, equal_time_se=t_se))
     return rows
 
 
-def pair_table(rows, option=None):
+def pair_table(rows, option=None, clock="wall"):
     """The pairs' Markdown table: a row per sweep value and pair."""
-    head = ([option] if option else []) + ["pair", "val loss difference", "beat"]
+    head = ([option] if option else []) + ["pair", "val loss difference", "beat",
+                                           "equal time" if clock == "wall" else "equal CPU time"]
     return markdown(head, [([str(r["sweep"])] if option else [])
-                           + [f"{r['a']} - {r['b']}", signed(r["diff"], r["diff_se"]), f"{r['wins']}/{r['paired']}"]
-                           for r in rows])
+                           + [f"{r['a']} - {r['b']}", signed(r["diff"], r["diff_se"]), f"{r['wins']}/{r['paired']}",
+                              signed(r["equal_time_diff"], r["equal_time_se"])] for r in rows])
 
 
 def study_notes(reference, pairs=False, clock="wall"):
@@ -348,7 +359,8 @@ def study_notes(reference, pairs=False, clock="wall"):
             f"between evaluations) read at the shorter run's total {'wall' if clock == 'wall' else 'CPU'} time of "
             f"each pair."
             + (" pair a - b: the mean over seeds of a's val loss minus b's (the same batches), ± its standard "
-               "error; beat: seeds where a is lower." if pairs else ""))
+               "error; beat: seeds where a is lower; equal time: the same difference read as vs ref, equal time "
+               "is." if pairs else ""))
 
 
 def draw_study(rows, summaries, reference, option, out, title=None, clock="wall"):
