@@ -29,8 +29,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not compile and not slow"
 
-# the pages' commands rerun in a fresh clone, every quoted output checked (about 50 minutes on two idle cores;
-# `$(PY) tests/check_pages.py --runs DIR` reuses finished runs, such as exercise 8's 19 minutes)
+# the pages' commands rerun in a fresh clone, every quoted output checked (about 65 minutes on two idle cores;
+# `$(PY) tests/check_pages.py --runs DIR` reuses finished runs, such as exercise 8's 35 minutes)
 check-pages: $(STAMP)
 	$(PY) tests/check_pages.py
 

@@ -1,9 +1,9 @@
 """Rerun the commands the pages quote and check the outputs they quote, so that a page cannot go stale silently.
-Minutes of CPU (about 50 on two idle cores), outside the test suite:
+Minutes of CPU (about 65 on two idle cores), outside the test suite:
 
     python tests/check_pages.py                          # README's quick start, exercises.md, then answers.md
     python tests/check_pages.py --keep /tmp/pages         # keep the clone it ran in
-    python tests/check_pages.py --runs /tmp/finished      # reuse finished runs: DIR/exercise-heads/baseline-s1, ...
+    python tests/check_pages.py --runs /tmp/finished      # reuse finished runs: DIR/exercise-lab/baseline-s1, ...
 
 It clones this checkout (committed files only) into a scratch folder, runs `make train` there (the quick start
 the pages assume), then every fenced block of commands of docs/exercises.md and docs/answers.md in order, as
@@ -14,7 +14,7 @@ estimates). A page's edits to the code are HTML comments `<!-- check: COMMAND --
 The pages' numbers hold for PyTorch's default threads on two idle cores: run it on an idle machine. `--runs DIR`
 copies DIR's run folders into the clone's runs/ first: `compare` reuses a finished run whose settings are the
 ones asked for (and refuses one with other settings), so a long study's table is checked without training it
-again (exercise 8's 19 minutes, from the same runs of a larger study).
+again (exercise 8's 35 minutes, from the same runs of larger studies).
 """
 import argparse
 import os
