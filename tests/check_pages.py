@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = ("docs/exercises.md", "docs/answers.md")
 COMMAND = re.compile(r"(\w+=\S+ )*(python|git|make|for|source) ")  # a command, maybe after VAR=value
 CLOCK_COLUMNS = {"tokens/s", "speed", "vs ref, equal time", "vs baseline, equal time", "vs ref, equal CPU time",
-                 "vs baseline, equal CPU time", "x time"}
+                 "vs baseline, equal CPU time", "x time", "equal time", "equal CPU time"}  # the last two: pairs' tables
 CLOCK = [(re.compile(r"about [\d.]+ (s|min|h)\b"), "about ~"), (re.compile(r"\bin [\d.]+s\b"), "in ~s"),
          (re.compile(r"[\d,]+ tokens/s"), "~ tokens/s"), (re.compile(r"\(\d+:\d+:\d+\)"), ""),
          (re.compile(r", \d+ deselected"), ""),  # pytest's count of the tests a -k leaves out grows with the suite

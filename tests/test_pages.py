@@ -58,3 +58,6 @@ def test_check_pages_masks_the_clock_and_a_studys_finished_count():
     assert cp.check(quoted, printed) == []
     assert cp.check(["| variant | val loss | tokens/s |", "|---|---|---|", "| baseline | 1.6435 | 3,227 |"],
                     printed) == ["| baseline | 1.6435 | ~ |"]
+    pairs = ["| pair | val loss difference | beat | equal CPU time |", "|---|---|---|---|"]  # a study's table of pairs
+    assert cp.check(pairs + ["| a - b | -0.0370 ± 0.0050 | 3/3 | -0.0207 ± 0.0052 |"],
+                    pairs + ["| a - b | -0.0370 ± 0.0050 | 3/3 | -0.0199 ± 0.0049 |"]) == []

@@ -359,8 +359,8 @@ def study_notes(reference, pairs=False, clock="wall"):
             f"between evaluations) read at the shorter run's total {'wall' if clock == 'wall' else 'CPU'} time of "
             f"each pair."
             + (" pair a - b: the mean over seeds of a's val loss minus b's (the same batches), ± its standard "
-               "error; beat: seeds where a is lower; equal time: the same difference read as vs ref, equal time "
-               "is." if pairs else ""))
+               "error; beat: seeds where a is lower; equal time: the same difference, both curves read at the "
+               "shorter run's total time as in the column vs ref." if pairs else ""))
 
 
 def draw_study(rows, summaries, reference, option, out, title=None, clock="wall"):
