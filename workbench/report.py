@@ -330,7 +330,8 @@ def pair_rows(summaries, pairs):
                 runs.setdefault(s["variant"], {})[s["seed"]] = s
         for a, b in pairs:
             ra, rb = runs.get(a, {}), runs.get(b, {})
-            diff, se, wins, n = paired(*({k: s["val_loss"] for k, s in r.items()} for r in (ra, rb)))
+            diff, se, wins, n = paired({k: s["val_loss"] for k, s in ra.items()},
+                                       {k: s["val_loss"] for k, s in rb.items()})
             t_diff, t_se, _, _ = equal_time(ra, rb)
             rows.append(dict(sweep=value, a=a, b=b, diff=diff, diff_se=se, wins=wins, paired=n,
                              equal_time_diff=t_diff, equal_time_se=t_se))
