@@ -141,7 +141,7 @@ def project_route(sources, w, g, heads=1):
         router.query.copy_(w)
         router.norm.weight.copy_(g)
         read, alpha = router(sources)
-    return read, alpha if heads > 1 else alpha.unsqueeze(-2)
+    return read, alpha
 
 
 def route_of(sources, w, g, heads=1, eps=1e-6, axis=-1, norm="rms", gain=True, scale=False, shared=False,
