@@ -18,8 +18,9 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from contextlib import ExitStack, nullcontext
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -30,15 +31,12 @@ from tqdm import tqdm
 
 from data import DROPOUT, TRAIN_BATCHES, batch_starts, eval_batch, get_batch
 import data
-from delta_gpt import GPT, GPT2_MODELS
-from errors import ConfigError, DeltaGPTError, TrainError
-from plumbing.checkpoint import (checkpoint_dict, dataset_info, load_checkpoint, model_from_gpt2,
-                                 model_from_init_checkpoint, restore_rng, resume_checkpoint,
-                                 resume_model, rng_state, save_checkpoint)
-from plumbing.config import (ARCH_FIELDS, MODEL_FIELDS, as_typed, check_config, flag, mode_label,
-                             model_config, out_dir_of, parse_args, preset_config, train_help)
-from plumbing.distributed import (full_state, load_optimizer_state, process_group, root_gathered,
-                                  shard)
+from errors import DeltaGPTError, TrainError
+from plumbing import run_config
+from plumbing.checkpoint import (checkpoint_dict, dataset_info, resume_checkpoint, rng_state,
+                                 save_checkpoint, start_model, start_optimizer)
+from plumbing.config import MODEL_FIELDS, check_config, mode_label, out_dir_of, train_help
+from plumbing.distributed import full_state, process_group, root_gathered
 from plumbing.routing_stats import routing_stats
 from plumbing.rundir import (Progress, RunLock, RunRecord, StopFlag, check_folder, check_same_data,
                              claim_run_dir)
@@ -246,6 +244,40 @@ def derive_seed(*key):
     return int(np.random.SeedSequence(key).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def eval_line(step, losses):
+    """'step N: train loss ..., val loss ...', with the routing's mean max weight where it has one."""
+    line = f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+    sharpness = losses.get("routing", {}).get("mean_max_weight", math.nan)  # NaN: one source each
+    return line + (f", routing max weight {sharpness:.3f}" if math.isfinite(sharpness) else "")
+
+
+def check_step(step, loss, norm, stop, scaler, checkpoint, out_dir, saved_at):
+    """The step's guards, on one host sync: every rank learns the step's mean loss (returned) and whether
+    any rank was signalled to stop. A signal writes last.pt as it was before this step (resuming redoes
+    it) and ends the run; a non-finite loss, or gradient norm (which fp16's scaler skips by itself), ends
+    it before the step is applied."""
+    stats = torch.stack([loss, torch.tensor(float(stop.signal is not None), device=loss.device)])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(stats)
+        stats[0] /= torch.distributed.get_world_size()
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a sharded norm
+    loss, stop_now, grad_norm = torch.cat([stats, norm.detach().view(1).to(stats)]).tolist()
+    last = out_dir / "last.pt"
+    kept = f"{last} still holds step {saved_at}" if saved_at is not None else "no checkpoint was written yet"
+    if stop_now > 0:
+        checkpoint(last)
+        message = f"stopped by signal at step {step}; checkpoint {last} written (continue with --resume)"
+        if stop.master:
+            tqdm.write(message)
+        raise KeyboardInterrupt(message)
+    if not math.isfinite(loss):
+        raise TrainError(f"loss is {loss} at step {step}; stopped without applying it, {kept} "
+                         f"(lower --learning-rate or check the data)")
+    if not math.isfinite(grad_norm) and not scaler.is_enabled():
+        raise TrainError(f"gradient norm is {grad_norm} at step {step} (loss {loss:.4f}); stopped "
+                         f"without applying it, {kept} (lower --learning-rate or check the data)")
+    return loss
+
 # -----------------------------------------------------------------------------
 # train(): setup, then the loop
 
@@ -256,23 +288,18 @@ def train(cfg):
     cfg = replace(cfg, out_dir=out_dir_of(cfg))
     out_dir = Path(cfg.out_dir)
     check_folder(out_dir, "--out-dir")
-    # one process or torchrun's, and a lock on the run directory: a run that fails before its first
-    # step leaves the folder as it found it
-    with process_group(cfg) as (rank, world_size, device), \
-            RunLock(out_dir, rank == 0 and not cfg.eval_only) as lock:
+    with ExitStack() as run:  # each piece of the run closed however it ends, in reverse order
+        # one process or torchrun's, and a lock on the run directory: a run that fails before its
+        # first step leaves the folder as it found it
+        rank, world_size, device = run.enter_context(process_group(cfg))
+        lock = run.enter_context(RunLock(out_dir, rank == 0 and not cfg.eval_only))
         master = rank == 0  # rank 0 writes checkpoints, metrics and the log
-        if cfg.gradient_accumulation_steps % world_size:
-            raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} "
-                              f"must be a multiple of the number of processes {world_size}")
         accum = cfg.gradient_accumulation_steps // world_size  # micro-steps per rank
         tokens_per_iter = accum * world_size * cfg.batch_size * cfg.block_size
-        # a run far past this machine's memory is refused before any work
-        check_memory(cfg, device, world_size)
-        if cfg.resume:
-            ckpt, changed = resume_checkpoint(cfg, master)
-        else:
-            ckpt, changed = claim_run_dir(cfg, master)
-            lock.claim()
+        check_memory(cfg, device, world_size)  # a run far past this machine's memory: refused now
+
+        # setup 1, the run folder and the data: the run's last.pt (--resume), or the folder claimed
+        ckpt, changed = resume_checkpoint(cfg, master) if cfg.resume else claim_run_dir(cfg, master, lock)
         torch.manual_seed(cfg.seed + rank)
         dtype, ctx, scaler = precision(cfg, device, master)
         ds = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size)
@@ -280,224 +307,122 @@ def train(cfg):
             check_same_data(out_dir, ds.meta, "prepare it again from the text the run began on, or "
                                               "start a new run (--overwrite, or another --out-dir)")
 
-        # the model: the run's last.pt (--resume), from scratch, GPT-2's weights,
-        # or a checkpoint (--init-from)
-        model, iter_num, best_val_loss = None, 0, float("inf")
-        # under FSDP rank 0 builds the model and the others get their shards of it
-        if master or not cfg.fsdp:
-            if ckpt is not None:
-                model = resume_model(cfg, ckpt, ds.meta)
-                iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-            elif cfg.init_from == "scratch":
-                # GPT-2's vocabulary, padded up to a multiple of 64
-                vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size
-                model = GPT(model_config(cfg, vocab_size))
-            elif cfg.init_from in GPT2_MODELS:
-                model = model_from_gpt2(cfg, ds.tokenizer.name)
-            else:
-                model = model_from_init_checkpoint(cfg, ds.meta, master)
-        if cfg.fsdp:
-            model, iter_num, best_val_loss = shard(model, iter_num, best_val_loss, rank, device,
-                                                   dtype, cfg.activation_checkpointing)
-        else:
-            for block in model.transformer.h:  # recompute attention and MLP in backward
-                block.recompute = cfg.activation_checkpointing
-            model = model.to(device)
-        # GPT-2 weights bring their shape
-        cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})
-
-        # the optimizer: AdamW over the model's three groups;
-        # on resume its state, with this run's settings
-        optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
-                                               (cfg.beta1, cfg.beta2), device.type,
-                                               route_lr_mult=cfg.route_lr_mult)
-        elapsed, cpu_elapsed = 0.0, 0.0
-        if ckpt is not None:
-            settings = [{k: v for k, v in group.items() if k != "params"}
-                        for group in optimizer.param_groups]
-            load_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp, rank)
-            for group, setting in zip(optimizer.param_groups, settings):
-                group.update(setting)
-            # a float32/bf16 run saved a disabled scaler's empty state
-            if scaler.is_enabled() and ckpt["scaler"]:
-                scaler.load_state_dict(ckpt["scaler"])
-            restore_rng(ckpt["rng"])
-            elapsed, cpu_elapsed = ckpt.get("elapsed", 0.0), ckpt.get("cpu_elapsed", 0.0)
-
-        # compile (default on CUDA), then DDP over several processes
-        # (FSDP's model is already sharded)
+        # setup 2, the model and the optimizer: built, or restored (plumbing/checkpoint.py)
+        model, iter_num, best_val_loss = start_model(cfg, ckpt, ds, rank, device, dtype, master)
+        cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})  # GPT-2's shape
+        optimizer, elapsed, cpu_elapsed = start_optimizer(model, cfg, ckpt, scaler, rank, device)
         raw_model = model  # the plain GPT: its state_dict, evaluation and statistics
         compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
         if compiled:
             model = torch.compile(model)
-        ddp = world_size > 1 and not cfg.fsdp
+        ddp = world_size > 1 and not cfg.fsdp  # FSDP's model is already sharded
         if ddp:
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
         if cfg.eval_only:  # evaluate the model once, write nothing
             losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
             if master:
-                print(f"step {iter_num}: train loss {losses['train']:.4f}, "
-                      f"val loss {losses['val']:.4f} "
-                      f"(each the mean of {cfg.eval_iters} fixed batches)")
+                print(f"{eval_line(iter_num, losses)} (each the mean of {cfg.eval_iters} fixed batches)")
             return dict(val_loss=losses["val"], train_loss=losses["train"], iter_num=iter_num)
 
-        # when the loop evaluates and saves: every interval, and at the end; a resumed run's first
-        # step is the one its last.pt holds, evaluated and saved before the run stopped
-        resumed_at = iter_num if cfg.resume else None
+        # setup 3, the record: metrics.jsonl (and W&B), the progress bar, SIGINT/SIGTERM as a flag
+        resumed_at = iter_num if cfg.resume else None  # the step last.pt holds, evaluated and saved
+        record = run.enter_context(RunRecord(out_dir, master, resume_step=resumed_at))
+        bar = run.enter_context(Progress(cfg, master, iter_num))
+        stop = run.enter_context(StopFlag(master, lock.quit_now))
+        t_start = time.time() - elapsed  # wall time counts on across resumes,
+        cpu_start = time.process_time() - cpu_elapsed  # and so does this process's CPU time
 
-        def evaluate_now(step):
-            return (step % cfg.eval_interval == 0 or step == cfg.max_iters) and step != resumed_at
-
-        def save_now(step):  # a fresh run's step 0 is saved only as its end (--max-iters 0)
-            return ((step % cfg.ckpt_interval == 0 and step > 0 or step == cfg.max_iters)
-                    and step != resumed_at)
-
-        # the loop: metrics.jsonl (and W&B), the progress bar,
-        # and SIGINT/SIGTERM turned into a checkpoint
-        t_start = time.time() - elapsed  # wall time counts on across resumes
-        # and this process's CPU time, which other jobs do not inflate
-        cpu_start = time.process_time() - cpu_elapsed
-        with RunRecord(out_dir, master, resume_step=resumed_at) as record, \
-                Progress(cfg, master, iter_num) as bar, StopFlag(master, lock.quit_now) as stop:
-
-            def checkpoint(path):
-                """The run's state now, written atomically by rank 0
-                (under FSDP every rank gathers it)."""
-                model_state, optim_state = full_state(raw_model, optimizer, cfg.fsdp, master)
-                if master:
-                    save_checkpoint(checkpoint_dict(
-                        model_state, raw_model.config, asdict(cfg), iter_num, best_val_loss,
-                        dataset_info(ds.meta, cfg.dataset), optimizer=optim_state,
-                        scaler=scaler.state_dict(), rng=rng_state(), elapsed=time.time() - t_start,
-                        cpu_elapsed=time.process_time() - cpu_start, commit=record.commit), path)
-                lock.started()  # a checkpoint is there: the folder holds this run
-
+        def checkpoint(path):
+            """The run's state now, written atomically by rank 0 (under FSDP every rank gathers it)."""
+            model_state, optim_state = full_state(raw_model, optimizer, cfg.fsdp, master)
             if master:
-                record.write_config(cfg, raw_model, ds.meta, world_size, device, dtype)
-                if changed:
-                    record.log(kind="resume", step=iter_num,
-                               changed={k: list(v) for k, v in changed.items()})
-                print(f"{mode_label(cfg)}: {raw_model.get_num_params():,} parameters, "
-                      f"{tokens_per_iter:,} tokens per step, {device} {dtype}"
-                      f"{' compiled' if compiled else ''}, run directory {out_dir}; "
-                      f"each loss below is the mean of {cfg.eval_iters} fixed batches of its split")
-                if cfg.resume:
-                    print(f"resuming at step {iter_num} from {out_dir / 'last.pt'}")
-            saved_at = resumed_at  # the step last.pt holds
-            loss, val_loss, tok_s = float("nan"), None, None
-            # max_iters + 1 passes: the last one only evaluates and checkpoints the final model
-            while True:
+                save_checkpoint(checkpoint_dict(
+                    model_state, raw_model.config, asdict(cfg), iter_num, best_val_loss,
+                    dataset_info(ds.meta, cfg.dataset), optimizer=optim_state,
+                    scaler=scaler.state_dict(), rng=rng_state(), elapsed=time.time() - t_start,
+                    cpu_elapsed=time.process_time() - cpu_start, commit=record.commit), path)
+            lock.started()  # a checkpoint is there: the folder holds this run
 
-                # evaluate every eval_interval steps and at the end; best.pt keeps the best so far
-                if evaluate_now(iter_num):
-                    losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
-                    val_loss = losses["val"]
-                    record.log(kind="eval", step=iter_num, train_loss=losses["train"],
-                               val_loss=val_loss, elapsed=time.time() - t_start,
-                               cpu_s=time.process_time() - cpu_start, routing=losses.get("routing"))
-                    said = (f"step {iter_num}: train loss {losses['train']:.4f}, "
-                            f"val loss {val_loss:.4f}")
-                    # NaN: one source each
-                    sharpness = losses.get("routing", {}).get("mean_max_weight", math.nan)
-                    if math.isfinite(sharpness):
-                        said += f", routing max weight {sharpness:.3f}"
-                    bar.write(said)
-                    if val_loss < best_val_loss:
-                        best_val_loss = val_loss
-                        if iter_num > 0:
-                            checkpoint(out_dir / "best.pt")
-                # last.pt every ckpt_interval steps and at the end
-                # (always one, even for a short run)
-                if save_now(iter_num):
-                    checkpoint(out_dir / "last.pt")
-                    saved_at = iter_num
-                if iter_num >= cfg.max_iters:
-                    break
+        record.write_config(cfg, raw_model, ds.meta, world_size, device, dtype, iter_num, changed)
+        if master:
+            print(f"{mode_label(cfg)}: {raw_model.get_num_params():,} parameters, "
+                  f"{tokens_per_iter:,} tokens per step, {device} {dtype}"
+                  f"{' compiled' if compiled else ''}, run directory {out_dir}; "
+                  f"each loss below is the mean of {cfg.eval_iters} fixed batches of its split")
+            if cfg.resume:
+                print(f"resuming at step {iter_num} from {out_dir / 'last.pt'}")
+        saved_at = resumed_at  # the step last.pt holds
+        loss, val_loss, tok_s, mfu = float("nan"), None, None, None
+        # max_iters + 1 passes: the last one only evaluates and checkpoints the final model
+        while True:
 
-                # determine and set the learning rate for this iteration
-                lr = get_lr(iter_num, cfg)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr * group["lr_mult"]
-                t0 = time.time()
-                # ---------------- TRAINING STEP BEGIN ----------------
-                # batches and dropout come from (seed, step):
-                # a resumed run, and any world size, redraw the same
-                torch.manual_seed(derive_seed(cfg.seed, DROPOUT, iter_num, rank))
-                starts = batch_starts(ds.train, cfg.block_size, cfg.batch_size * accum * world_size,
-                                      (cfg.seed, TRAIN_BATCHES, iter_num))
-                loss_sum = torch.zeros((), device=device)
-                # forward backward update,
-                # with optional gradient accumulation to simulate larger batch size
-                for micro in range(accum):
-                    # rank r's micro-step m: slice r * accum + m
-                    part = (rank * accum + micro) * cfg.batch_size
-                    X, Y = get_batch(ds.train, cfg.block_size, starts[part:part + cfg.batch_size],
-                                     device)
-                    last = micro == accum - 1
-                    # sync gradients on the last micro-step only (nanoGPT's way, not no_sync())
-                    if ddp:
-                        model.require_backward_grad_sync = last
-                    if cfg.fsdp:
-                        raw_model.set_requires_gradient_sync(last)
-                    with ctx:
-                        _, micro_loss = model(X, Y)
-                    loss_sum += micro_loss.detach()
-                    # backward pass, with gradient scaling if training in fp16
-                    scaler.scale(micro_loss / accum).backward()
-                # one all-reduce tells every rank the step's loss
-                # and whether any rank was signalled to stop
-                stats = torch.stack([loss_sum / accum,
-                                     torch.tensor(float(stop.signal is not None), device=device)])
-                if world_size > 1:
-                    torch.distributed.all_reduce(stats)
-                    stats[0] /= world_size
-                loss, stop_now = stats[0].item(), stats[1].item() > 0
-                # a signal: this step's gradients are dropped (resuming redoes it) and the run stops
-                if stop_now:
-                    checkpoint(out_dir / "last.pt")
-                    bar.close()
-                    message = (f"stopped by signal at step {iter_num}; "
-                               f"checkpoint {out_dir / 'last.pt'} written "
-                               f"(continue with --resume)")
-                    if master:
-                        print(message)
-                    raise KeyboardInterrupt(message)
-                kept = "no checkpoint was written yet"
-                if saved_at is not None:
-                    kept = f"{out_dir / 'last.pt'} still holds step {saved_at}"
-                if not math.isfinite(loss):
-                    raise TrainError(f"loss is {loss} at step {iter_num}; "
-                                     f"stopped without applying it, {kept} "
-                                     f"(lower --learning-rate or check the data)")
-                # clip the gradient
-                scaler.unscale_(optimizer)
-                norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                                      cfg.grad_clip or float("inf"))
-                # FSDP: sharded
-                grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-                # fp16's scaler skips such steps
-                if not math.isfinite(grad_norm) and not scaler.is_enabled():
-                    raise TrainError(f"gradient norm is {grad_norm} at step {iter_num} "
-                                     f"(loss {loss:.4f}); stopped without applying it, {kept} "
-                                     f"(lower --learning-rate or check the data)")
-                # step the optimizer and scaler if training in fp16
-                scaler.step(optimizer)
-                scaler.update()
-                # flush the gradients as soon as we can, no need for this memory anymore
-                optimizer.zero_grad(set_to_none=True)
-                # ---------------- TRAINING STEP END ----------------
+            # evaluate every eval_interval steps and at the end, save every ckpt_interval steps and
+            # at the end; a resumed run's first step was evaluated and saved before it stopped
+            if (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters) and iter_num != resumed_at:
+                losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
+                val_loss = losses["val"]
+                record.log(kind="eval", step=iter_num, train_loss=losses["train"], val_loss=val_loss,
+                           elapsed=time.time() - t_start, cpu_s=time.process_time() - cpu_start,
+                           routing=losses.get("routing"))
+                bar.write(eval_line(iter_num, losses))
+                improved, best_val_loss = val_loss < best_val_loss, min(best_val_loss, val_loss)
+                if improved and iter_num > 0:  # best.pt keeps the best model so far
+                    checkpoint(out_dir / "best.pt")
+            if ((iter_num % cfg.ckpt_interval == 0 and iter_num > 0 or iter_num == cfg.max_iters)
+                    and iter_num != resumed_at):  # a fresh run's step 0 is saved only as its end
+                checkpoint(out_dir / "last.pt")
+                saved_at = iter_num
+            if iter_num >= cfg.max_iters:
+                break
 
-                # timing and logging
-                iter_num += 1
-                lock.started()  # a step is done: from here a failure keeps the run's files
-                dt = time.time() - t0
-                tok_s = tokens_per_iter / dt
+            # determine and set the learning rate for this iteration
+            lr = get_lr(iter_num, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group["lr_mult"]
+            t0 = time.time()
+            # ---------------- TRAINING STEP BEGIN ----------------
+            # batches and dropout come from (seed, step): a resumed run, any world size, draw the same
+            torch.manual_seed(derive_seed(cfg.seed, DROPOUT, iter_num, rank))
+            starts = batch_starts(ds.train, cfg.block_size, cfg.batch_size * accum * world_size,
+                                  (cfg.seed, TRAIN_BATCHES, iter_num))
+            loss_sum = torch.zeros((), device=device)
+            # forward backward update, with optional gradient accumulation to simulate larger batch size
+            for micro in range(accum):
+                part = (rank * accum + micro) * cfg.batch_size  # rank r's micro-step m: slice r*accum+m
+                X, Y = get_batch(ds.train, cfg.block_size, starts[part:part + cfg.batch_size], device)
+                # sync gradients on the last micro-step only (nanoGPT's way, not no_sync())
+                if ddp:
+                    model.require_backward_grad_sync = micro == accum - 1
+                if cfg.fsdp:
+                    raw_model.set_requires_gradient_sync(micro == accum - 1)
+                with ctx:
+                    _, micro_loss = model(X, Y)
+                loss_sum += micro_loss.detach()
+                # backward pass, with gradient scaling if training in fp16
+                scaler.scale(micro_loss / accum).backward()
+            # clip the gradient
+            scaler.unscale_(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
+            # the guards: a signal, a non-finite loss or gradient ends the run before the update
+            loss = check_step(iter_num, loss_sum / accum, norm, stop, scaler, checkpoint, out_dir, saved_at)
+            # step the optimizer and scaler if training in fp16
+            scaler.step(optimizer)
+            scaler.update()
+            # flush the gradients as soon as we can, no need for this memory anymore
+            optimizer.zero_grad(set_to_none=True)
+            # ---------------- TRAINING STEP END ----------------
+
+            # timing and logging
+            iter_num += 1
+            lock.started()  # a step is done: from here a failure keeps the run's files
+            dt = time.time() - t0
+            tok_s = tokens_per_iter / dt
+            if iter_num % cfg.log_interval == 0:
                 mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, device) if master else None
-                if iter_num % cfg.log_interval == 0:
-                    record.log(kind="train", step=iter_num, train_loss=loss, lr=lr,
-                               tokens_per_s=tok_s, elapsed=time.time() - t_start, mfu=mfu)
-                bar.step(iter_num, loss, lr, tok_s, mfu)
+                record.log(kind="train", step=iter_num, train_loss=loss, lr=lr, tokens_per_s=tok_s,
+                           elapsed=time.time() - t_start, mfu=mfu)
+            bar.step(iter_num, loss, lr, tok_s, mfu)
         return dict(val_loss=val_loss, best_val_loss=best_val_loss, train_loss=loss,
                     iter_num=iter_num, elapsed=time.time() - t_start, tokens_per_s=tok_s,
                     out_dir=cfg.out_dir, params=raw_model.get_num_params())
@@ -507,48 +432,10 @@ def train(cfg):
 # the command line: `python train.py --residual delta ...`;
 # cli.py, compare and studies build their configs here too
 
-def make_config(preset=None, **overrides):
-    """TrainConfig from a named preset plus field overrides;
-    bad names and values raise ConfigError."""
-    cfg = preset_config(TrainConfig, PRESETS, preset, **overrides)
-    check_config(cfg)
-    return cfg
-
-
-def resume_config(preset=None, **overrides):
-    """The config of the run in out_dir (from its last.pt) with `overrides` on top, for --resume;
-    another architecture is refused, naming the options given and the run's values."""
-    out_dir = out_dir_of(preset_config(TrainConfig, PRESETS, preset,
-                                       **{**overrides, "resume": True}))
-    ckpt = load_checkpoint(Path(out_dir) / "last.pt", mmap=True)
-    names = {f.name for f in fields(TrainConfig)}
-    saved = replace(TrainConfig(), **{k: v for k, v in ckpt["config"].items() if k in names})
-    if preset is not None and preset != saved.preset:
-        raise ConfigError(f"--preset {preset} differs from the run's preset {saved.preset}; "
-                          f"a resumed run keeps its preset")
-    # the run's architecture, each mode's defaults filled in
-    has = model_config(saved, vocab_size=1)
-    changed = [f"--{flag(k)} {v} "
-               f"(the run has {getattr(has, k) if getattr(has, k) is not None else 'none'})"
-               for k, v in overrides.items() if k in ARCH_FIELDS and v != getattr(has, k)]
-    if changed:
-        raise ConfigError(f"cannot resume {out_dir} with another architecture: "
-                          f"{'; '.join(changed)}; "
-                          f"leave these out, or train a new run in another --out-dir")
-    # the saved init_from only records where the run began: its weights now come from last.pt
-    cfg = replace(saved, **{**overrides, "resume": True})
-    check_config(cfg)
-    return cfg
-
-
-def config_from_args(argv):
-    """The TrainConfig a command line asks for: a fresh run, or with --resume the run in out_dir."""
-    preset, overrides = parse_args(argv, TrainConfig)
-    try:
-        return (resume_config(preset, **overrides) if overrides.get("resume")
-                else make_config(preset, **overrides))
-    except ConfigError as e:
-        raise ConfigError(as_typed(str(e))) from None
+# the config builders (plumbing/run_config.py) bound to these knobs
+make_config = partial(run_config.make_config, TrainConfig, PRESETS)
+resume_config = partial(run_config.resume_config, TrainConfig, PRESETS)
+config_from_args = partial(run_config.config_from_args, TrainConfig, PRESETS)
 
 
 def main(argv=None):

@@ -1,5 +1,6 @@
 """Checkpoints: plain dicts (weights, GPTConfig, TrainConfig, step, optimizer, RNG), written atomically and
-read with weights_only=True, so a crash never leaves half a file and loading never runs pickled code."""
+read with weights_only=True, so a crash never leaves half a file and loading never runs pickled code; and the
+model and optimizer a run starts from, built afresh or restored (start_model, start_optimizer)."""
 import os
 import pickle
 from dataclasses import asdict
@@ -8,9 +9,10 @@ from pathlib import Path
 import torch
 
 import data
-from delta_gpt import GPT, is_routing_key
+from delta_gpt import GPT, GPT2_MODELS, is_routing_key
 from errors import ConfigError, TrainError
 from plumbing.config import ARCH_FIELDS, ROUTE_FIELDS, gpt_config, model_config, with_model_defaults
+from plumbing.distributed import load_optimizer_state, shard
 from plumbing.rundir import why_no_checkpoint
 from plumbing.system import checked_device
 
@@ -195,3 +197,43 @@ def model_from_init_checkpoint(cfg, meta, master):
               ("a baseline has none" if cfg.residual == "baseline" else
                f"other routing settings, so {cfg.residual}'s routing starts at zero init"))
     return model
+
+
+def start_model(cfg, ckpt, ds, rank, device, dtype, master):
+    """(model on `device`, iter_num, best_val_loss) a run starts from: its last.pt (--resume), a new model
+    (scratch), GPT-2's weights or a checkpoint's (--init-from); under FSDP rank 0 builds it and every rank
+    takes its shards."""
+    model, iter_num, best_val_loss = None, 0, float("inf")
+    if master or not cfg.fsdp:
+        if ckpt is not None:
+            model = resume_model(cfg, ckpt, ds.meta)
+            iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        elif cfg.init_from == "scratch":
+            vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's, padded to 64
+            model = GPT(model_config(cfg, vocab_size))
+        elif cfg.init_from in GPT2_MODELS:
+            model = model_from_gpt2(cfg, ds.tokenizer.name)
+        else:
+            model = model_from_init_checkpoint(cfg, ds.meta, master)
+    if cfg.fsdp:
+        return shard(model, iter_num, best_val_loss, rank, device, dtype, cfg.activation_checkpointing)
+    for block in model.transformer.h:  # recompute attention and MLP in backward
+        block.recompute = cfg.activation_checkpointing
+    return model.to(device), iter_num, best_val_loss
+
+
+def start_optimizer(model, cfg, ckpt, scaler, rank, device):
+    """(AdamW over the model's three groups, wall and CPU seconds run so far): on resume with the checkpoint's
+    state, its scaler and RNG, and this run's settings (learning rate, decay, ...)."""
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           device.type, route_lr_mult=cfg.route_lr_mult)
+    if ckpt is None:
+        return optimizer, 0.0, 0.0
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    load_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp, rank)
+    for group, setting in zip(optimizer.param_groups, settings):
+        group.update(setting)
+    if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
+        scaler.load_state_dict(ckpt["scaler"])
+    restore_rng(ckpt["rng"])
+    return optimizer, ckpt.get("elapsed", 0.0), ckpt.get("cpu_elapsed", 0.0)

@@ -1,6 +1,6 @@
 """Options: the groups of TrainConfig fields, one clear error for a bad value or combination, the model's
 GPTConfig from a run's options, and the one parser of typed option values (command lines and study files).
-train.py binds these to its TrainConfig and PRESETS (train.make_config, train.config_from_args).
+plumbing/run_config.py builds a run's TrainConfig from them (train.make_config, train.config_from_args).
 
     overrides = parse_args(["--residual", "delta", "--max-iters=100"], TrainConfig)[1]   # {'residual': 'delta', ...}
     check_config(cfg)                                                                    # ConfigError if bad

@@ -8,6 +8,7 @@ from torch.distributed import destroy_process_group, init_process_group
 
 import data
 from delta_gpt import GPT
+from errors import ConfigError
 from plumbing.system import pick_device
 
 
@@ -15,6 +16,10 @@ from plumbing.system import pick_device
 def process_group(cfg):
     """(rank, world_size, device): one process, or one of torchrun's (one GPU each on CUDA)."""
     torchrun = int(os.environ.get("RANK", -1)) != -1
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if torchrun else 1
+    if cfg.gradient_accumulation_steps % world_size:
+        raise ConfigError(f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps} must be a "
+                          f"multiple of the number of processes {world_size}")
     if not torchrun and not cfg.fsdp:
         yield 0, 1, pick_device(cfg)
         return

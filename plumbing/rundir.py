@@ -80,9 +80,10 @@ def why_no_checkpoint(path):
             f"with --overwrite (or in another --out-dir)")
 
 
-def claim_run_dir(cfg, master):
+def claim_run_dir(cfg, master, lock):
     """(None, {}) as checkpoint.resume_checkpoint's (checkpoint, changed settings), for a fresh run: a run
-    already in out_dir is refused unless --overwrite, which deletes the old run's files."""
+    already in out_dir is refused unless --overwrite, which deletes the old run's files; then the lock marks
+    the folder's run files as this run's."""
     out_dir = Path(cfg.out_dir)
     if cfg.eval_only:
         return None, {}
@@ -98,6 +99,7 @@ def claim_run_dir(cfg, master):
     if cfg.overwrite and master:  # the old run's files must not be resumed or read by mistake
         for old in RUN_FILES:
             (out_dir / old).unlink(missing_ok=True)
+    lock.claim()
     return None, {}
 
 
@@ -268,7 +270,12 @@ class RunRecord:
             tmp.write_text("".join(l + "\n" for l in keep))
             os.replace(tmp, self.path)
 
-    def write_config(self, cfg, model, meta, world_size, device, dtype):
+    def write_config(self, cfg, model, meta, world_size, device, dtype, step, changed):
+        """config.json, W&B's run, and a resumed run's changed settings as a metrics line (rank 0)."""
+        if not self.master:
+            return
+        if changed:
+            self.log(kind="resume", step=step, changed={k: list(v) for k, v in changed.items()})
         info = dict(config=asdict(cfg), model_config=asdict(model.config), params=model.get_num_params(),
                     dataset=meta, commit=self.commit,
                     world_size=world_size, device=str(device), dtype=dtype, torch=torch.__version__)
