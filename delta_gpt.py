@@ -88,7 +88,7 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout = config.dropout
 
-    def forward(self, x, kv=None):
+    def forward(self, x, cache=None):
         B, T, C = x.size() # batch size, sequence length, embedding dimensionality (n_embd)
 
         # calculate query, key, values for all heads in batch and move head forward to be the batch dim
@@ -96,28 +96,21 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
-        if kv is not None:  # generation: prepend the cached keys and values of earlier positions
-            if kv:
-                k = torch.cat([kv[0], k], dim=2) # (B, nh, P+T, hs)
-                v = torch.cat([kv[1], v], dim=2)
-            kv[:] = [k, v]
-        # cached positions before the new T (a plain int in training)
-        P = k.size(2) - T if kv is not None else 0
+        P = 0 # positions before these T
+        if cache is not None:  # generation: the P cached keys and values come first (KVCache)
+            P = len(cache)
+            k, v = cache.extend(k, v) # (B, nh, P+T, hs)
 
         # causal self-attention; Self-attend: (B, nh, T, hs) x (B, nh, hs, P+T) -> (B, nh, T, P+T)
         if self.flash:
-            if P == 0 or T == 1:  # a plain causal square, or one new query that sees everything
-                mask, causal = None, P == 0
-            else:
-                mask, causal = (torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P),
-                                False)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+            # nanoGPT's causal square when nothing is cached; one new query sees every key
+            mask = None if P == 0 or T == 1 else causal_mask(T, P, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=P == 0,
                                                dropout_p=self.dropout if self.training else 0)
         else:
-            # manual implementation of attention: query t (at position P+t) sees keys 0..P+t
+            # manual implementation of attention
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            causal = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
-            att = att.masked_fill(~causal, float('-inf'))
+            att = att.masked_fill(~causal_mask(T, P, x.device), float('-inf'))
             att = F.softmax(att, dim=-1)
             att = self.attn_dropout(att)
             y = att @ v # (B, nh, T, P+T) x (B, nh, P+T, hs) -> (B, nh, T, hs)
@@ -126,6 +119,30 @@ class CausalSelfAttention(nn.Module):
         # output projection
         y = self.resid_dropout(self.c_proj(y))
         return y
+
+
+def causal_mask(T, P, device):
+    """(T, P+T) bool: query t, at position P+t, sees keys 0..P+t."""
+    return torch.ones(T, P + T, dtype=torch.bool, device=device).tril(P)
+
+
+class KVCache:
+    """One layer's keys and values of the positions generation has already run, (B, nh, P, hs), so that
+    each step runs only the new tokens (routing is per token: nothing else needs caching)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def __len__(self):
+        return 0 if self.k is None else self.k.size(2) # P
+
+    def extend(self, k, v):
+        """The cached keys and values with the new ones after them, (B, nh, P+T, hs), kept for the next
+        step."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
 
 
 class MLP(nn.Module):
@@ -272,10 +289,13 @@ class Block(nn.Module):
         # True: activation checkpointing, each f(LN(u)) runs again in backward
         self.recompute = False
 
-    def forward(self, stream, kv=None):
-        stream.write(self.sublayer(self.attn, self.ln_1, stream.read(self.attn_router), kv))
-        stream.write(self.sublayer(self.mlp, self.ln_2, stream.read(self.mlp_router)))
-        return stream
+    def forward(self, stream, cache=None):
+        u = stream.read(self.attn_router)               # u_k: the stream x_{k-1}, a read, or both
+        v = self.sublayer(self.attn, self.ln_1, u, cache)  # v_k = f_k(LN_k(u_k))
+        stream.write(v)                                 # x_k = x_{k-1} + v_k, and v_k a source
+        u = stream.read(self.mlp_router)
+        v = self.sublayer(self.mlp, self.ln_2, u)
+        stream.write(v)
 
     def sublayer(self, f, ln, u, *args):
         """v = f(LN(u)). With recompute (and grad enabled) its activations are not kept for backward
@@ -414,14 +434,14 @@ class GPT(nn.Module):
                 torch.nn.init.zeros_(module.query)
                 torch.nn.init.ones_(module.norm.weight)
 
-    def hidden(self, idx, kv_cache=None, record=None):
+    def hidden(self, idx, cache=None, record=None):
         """Token ids (B, T) -> final hidden states ln_f(output) (B, T, D).
-        kv_cache: a list of per-layer [k, v] lists, filled and extended by generation.
+        cache: a KVCache per layer, filled and extended by generation.
         record: a list that collects every router's (sources, alpha (B, T, H, n)), in order,
         for routing statistics."""
         device = idx.device
         b, t = idx.size()
-        past = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
+        past = len(cache[0]) if cache else 0
         if past + t > self.config.block_size:
             raise ValueError(f"Cannot forward sequence of length {past + t}, "
                              f"block size is only {self.config.block_size}; "
@@ -437,8 +457,8 @@ class GPT(nn.Module):
             stream = FastStream(e, self.config, self.routers, record)
         else:
             stream = Stream(e, self.config, record)
-        for block, kv in zip(self.transformer.h, kv_cache or [None] * len(self.transformer.h)):
-            block(stream, kv)
+        for block, layer_cache in zip(self.transformer.h, cache or [None] * len(self.transformer.h)):
+            block(stream, layer_cache)
         return self.transformer.ln_f(stream.output(getattr(self.transformer, "final_router", None)))
 
     def forward(self, idx, targets=None):
@@ -591,7 +611,7 @@ class GPT(nn.Module):
                 # if the sequence context is growing too long we must crop it at block_size;
                 # absolute positions then shift, so the window is recomputed (and cached afresh)
                 idx_cond = idx if idx.size(1) <= block_size else idx[:, -block_size:]
-                cache = [[] for _ in self.transformer.h] if use_cache else None
+                cache = [KVCache() for _ in self.transformer.h] if use_cache else None
                 x = self.hidden(idx_cond, cache)
             else:
                 x = self.hidden(idx[:, done:], cache)

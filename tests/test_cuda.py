@@ -16,7 +16,7 @@ import torch
 from torch.nn import functional as F
 
 import train
-from delta_gpt import GPT, GPTConfig, RESIDUALS
+from delta_gpt import GPT, GPTConfig, KVCache, RESIDUALS
 from plumbing import checkpoint as CK
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -239,7 +239,7 @@ def test_kv_cache_generation_equals_recompute(residual):
             runs.append(model.generate(prompt, 40, use_cache=use_cache, generator=g, **kw))  # 48 > 32: crops
         assert torch.equal(*runs), kw
     # a prompt fed in two chunks: the second attends to the cache through SDPA's boolean mask
-    cache = [[] for _ in model.transformer.h]
+    cache = [KVCache() for _ in model.transformer.h]
     with torch.no_grad():
         first = model.hidden(prompt[:, :5], cache)
         second = model.hidden(prompt[:, 5:], cache)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from delta_gpt import GPT, GPTConfig, RESIDUALS, LayerNorm, Router, RouteRead, Score, folded_queries, is_routing_key
+from delta_gpt import (GPT, GPTConfig, RESIDUALS, KVCache, LayerNorm, Router, RouteRead, Score, folded_queries,
+                       is_routing_key)
 from plumbing import checkpoint as CK
 from workbench.bench import saved_bytes  # bytes autograd saves for backward, each storage once, parameters left out
 
@@ -678,7 +679,7 @@ def test_cached_logits_equal_full_forward(residual):
     model = model_of(tiny(residual), queries=1.0)
     idx = idx_batch(T=20)
     full, _ = model(idx)
-    cache = [[] for _ in model.transformer.h]
+    cache = [KVCache() for _ in model.transformer.h]
     with torch.no_grad():
         parts = [model.hidden(idx[:, :7], cache), model.hidden(idx[:, 7:12], cache)]
         parts += [model.hidden(idx[:, t:t + 1], cache) for t in range(12, 20)]
