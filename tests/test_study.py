@@ -150,8 +150,8 @@ def test_shipped_studies_cross_into_valid_runs(tmp_path):
         unique = {r.cfg.out_dir for r in runs}
         assert len(unique) == len(study.seeds) * (values * (len(study.variants) - len(once)) + len(once)), path
         # the exercises and the lab studies use the cpu preset's width; the map's width point and its studies
-        # (-w128) are 128 wide too
-        width = 128 if path.stem.startswith(("exercise", "lab")) or "w128" in path.stem else 64
+        # (-w128) and the 32-layer studies (depth32-) are 128 wide too
+        width = 128 if path.stem.startswith(("exercise", "lab", "depth32")) or "w128" in path.stem else 64
         assert all(r.cfg.n_embd == width and r.cfg.dataset == "shakespeare_char" for r in runs), path
 
 
