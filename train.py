@@ -40,8 +40,7 @@ from plumbing.distributed import full_state, process_group, root_gathered
 from plumbing.routing_stats import routing_stats
 from plumbing.rundir import (Progress, RunLock, RunRecord, StopFlag, check_folder, check_same_data,
                              claim_run_dir)
-from plumbing.system import (apply_process_settings, check_memory, cpu_has_bfloat16,
-                             end_torchrun_process)
+from plumbing.system import apply_process_settings, check_memory, end_torchrun_process, precision
 
 # -----------------------------------------------------------------------------
 # the knobs: every field is an option of `python train.py` and `python cli.py train`
@@ -165,7 +164,7 @@ PRESETS = {
 
 
 # -----------------------------------------------------------------------------
-# helpers the loop uses: learning rate, evaluation, precision, seeds
+# helpers the loop uses: learning rate, evaluation, seeds, the step's guards
 
 def get_lr(it, cfg):
     """Linear warmup, then cosine decay from learning_rate to min_lr over lr_decay_iters steps."""
@@ -220,42 +219,23 @@ def evaluate_model(model, ds, cfg, ctx, device, master):
     return out
 
 
-def precision(cfg, device, master):
-    """(dtype name, autocast context, gradient scaler): bf16 or fp16 autocast on CUDA, float32 on
-    CPU/MPS unless asked."""
-    dtype = cfg.dtype
-    if dtype == "auto":
-        dtype = ("float32" if device.type != "cuda"
-                 else "bfloat16" if torch.cuda.is_bf16_supported() else "float16")
-    slow = dtype == "float16" or (dtype == "bfloat16" and not cpu_has_bfloat16())
-    if slow and device.type == "cpu" and master:
-        print(f"warning: --dtype {dtype} on this CPU runs many times slower than float32 "
-              f"(it has no fast {dtype} matrix products); it is allowed, but use --dtype float32 "
-              f"(the CPU default) unless you are testing mixed precision", file=sys.stderr)
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
-               'float16': torch.float16}[dtype]
-    ctx = (nullcontext() if dtype == "float32"
-           else torch.autocast(device_type=device.type, dtype=ptdtype))
-    return dtype, ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
-
-
 def derive_seed(*key):
     """A 63-bit seed from a tuple of ints (numpy's SeedSequence mixes them)."""
     return int(np.random.SeedSequence(key).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
 def eval_line(step, losses):
-    """'step N: train loss ..., val loss ...', with the routing's mean max weight where it has one."""
+    """'step N: train loss ..., val loss ...', and the routing's max weight where it has one."""
     line = f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
     sharpness = losses.get("routing", {}).get("mean_max_weight", math.nan)  # NaN: one source each
     return line + (f", routing max weight {sharpness:.3f}" if math.isfinite(sharpness) else "")
 
 
 def check_step(step, loss, norm, stop, scaler, checkpoint, out_dir, saved_at):
-    """The step's guards, on one host sync: every rank learns the step's mean loss (returned) and whether
-    any rank was signalled to stop. A signal writes last.pt as it was before this step (resuming redoes
-    it) and ends the run; a non-finite loss, or gradient norm (which fp16's scaler skips by itself), ends
-    it before the step is applied."""
+    """The step's guards, on one host sync: every rank learns the step's mean loss (returned) and
+    whether any rank was signalled to stop. A signal writes last.pt as it was before this step
+    (resuming redoes it) and ends the run; a non-finite loss, or gradient norm (which fp16's scaler
+    skips by itself), ends it before the step is applied."""
     stats = torch.stack([loss, torch.tensor(float(stop.signal is not None), device=loss.device)])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(stats)
@@ -263,10 +243,12 @@ def check_step(step, loss, norm, stop, scaler, checkpoint, out_dir, saved_at):
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a sharded norm
     loss, stop_now, grad_norm = torch.cat([stats, norm.detach().view(1).to(stats)]).tolist()
     last = out_dir / "last.pt"
-    kept = f"{last} still holds step {saved_at}" if saved_at is not None else "no checkpoint was written yet"
+    kept = (f"{last} still holds step {saved_at}" if saved_at is not None
+            else "no checkpoint was written yet")
     if stop_now > 0:
         checkpoint(last)
-        message = f"stopped by signal at step {step}; checkpoint {last} written (continue with --resume)"
+        message = (f"stopped by signal at step {step}; checkpoint {last} written "
+                   f"(continue with --resume)")
         if stop.master:
             tqdm.write(message)
         raise KeyboardInterrupt(message)
@@ -299,7 +281,8 @@ def train(cfg):
         check_memory(cfg, device, world_size)  # a run far past this machine's memory: refused now
 
         # setup 1, the run folder and the data: the run's last.pt (--resume), or the folder claimed
-        ckpt, changed = resume_checkpoint(cfg, master) if cfg.resume else claim_run_dir(cfg, master, lock)
+        ckpt, changed = (resume_checkpoint(cfg, master) if cfg.resume
+                         else claim_run_dir(cfg, master, lock))
         torch.manual_seed(cfg.seed + rank)
         dtype, ctx, scaler = precision(cfg, device, master)
         ds = data.load_or_prepare(cfg.dataset, data_dir=cfg.data_dir, block_size=cfg.block_size)
@@ -322,7 +305,8 @@ def train(cfg):
         if cfg.eval_only:  # evaluate the model once, write nothing
             losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
             if master:
-                print(f"{eval_line(iter_num, losses)} (each the mean of {cfg.eval_iters} fixed batches)")
+                print(f"{eval_line(iter_num, losses)} "
+                      f"(each the mean of {cfg.eval_iters} fixed batches)")
             return dict(val_loss=losses["val"], train_loss=losses["train"], iter_num=iter_num)
 
         # setup 3, the record: metrics.jsonl (and W&B), the progress bar, SIGINT/SIGTERM as a flag
@@ -334,7 +318,7 @@ def train(cfg):
         cpu_start = time.process_time() - cpu_elapsed  # and so does this process's CPU time
 
         def checkpoint(path):
-            """The run's state now, written atomically by rank 0 (under FSDP every rank gathers it)."""
+            """The run's state, written atomically by rank 0 (under FSDP all ranks gather it)."""
             model_state, optim_state = full_state(raw_model, optimizer, cfg.fsdp, master)
             if master:
                 save_checkpoint(checkpoint_dict(
@@ -359,12 +343,13 @@ def train(cfg):
 
             # evaluate every eval_interval steps and at the end, save every ckpt_interval steps and
             # at the end; a resumed run's first step was evaluated and saved before it stopped
-            if (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters) and iter_num != resumed_at:
+            if ((iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters)
+                    and iter_num != resumed_at):
                 losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
                 val_loss = losses["val"]
-                record.log(kind="eval", step=iter_num, train_loss=losses["train"], val_loss=val_loss,
-                           elapsed=time.time() - t_start, cpu_s=time.process_time() - cpu_start,
-                           routing=losses.get("routing"))
+                record.log(kind="eval", step=iter_num, train_loss=losses["train"],
+                           val_loss=val_loss, elapsed=time.time() - t_start,
+                           cpu_s=time.process_time() - cpu_start, routing=losses.get("routing"))
                 bar.write(eval_line(iter_num, losses))
                 improved, best_val_loss = val_loss < best_val_loss, min(best_val_loss, val_loss)
                 if improved and iter_num > 0:  # best.pt keeps the best model so far
@@ -382,15 +367,16 @@ def train(cfg):
                 group["lr"] = lr * group["lr_mult"]
             t0 = time.time()
             # ---------------- TRAINING STEP BEGIN ----------------
-            # batches and dropout come from (seed, step): a resumed run, any world size, draw the same
+            # batches and dropout from (seed, step): a resumed run, any world size, draw the same
             torch.manual_seed(derive_seed(cfg.seed, DROPOUT, iter_num, rank))
             starts = batch_starts(ds.train, cfg.block_size, cfg.batch_size * accum * world_size,
                                   (cfg.seed, TRAIN_BATCHES, iter_num))
             loss_sum = torch.zeros((), device=device)
-            # forward backward update, with optional gradient accumulation to simulate larger batch size
+            # forward backward update, with gradient accumulation to simulate a larger batch size
             for micro in range(accum):
-                part = (rank * accum + micro) * cfg.batch_size  # rank r's micro-step m: slice r*accum+m
-                X, Y = get_batch(ds.train, cfg.block_size, starts[part:part + cfg.batch_size], device)
+                part = (rank * accum + micro) * cfg.batch_size  # rank r, micro-step m: r*accum+m
+                X, Y = get_batch(ds.train, cfg.block_size, starts[part:part + cfg.batch_size],
+                                 device)
                 # sync gradients on the last micro-step only (nanoGPT's way, not no_sync())
                 if ddp:
                     model.require_backward_grad_sync = micro == accum - 1
@@ -405,7 +391,8 @@ def train(cfg):
             scaler.unscale_(optimizer)
             norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             # the guards: a signal, a non-finite loss or gradient ends the run before the update
-            loss = check_step(iter_num, loss_sum / accum, norm, stop, scaler, checkpoint, out_dir, saved_at)
+            loss = check_step(iter_num, loss_sum / accum, norm, stop, scaler, checkpoint, out_dir,
+                              saved_at)
             # step the optimizer and scaler if training in fp16
             scaler.step(optimizer)
             scaler.update()

@@ -1,8 +1,10 @@
-"""Process-wide settings, set only by entry points: the device, torch's threads, malloc, TF32."""
+"""Process-wide settings, set only by entry points: the device, torch's threads, malloc, TF32; and a run's
+precision on its device (dtype, autocast, gradient scaler)."""
 import ctypes
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -59,6 +61,25 @@ def cpu_has_bfloat16():
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def precision(cfg, device, master):
+    """(dtype name, autocast context, gradient scaler): bf16 or fp16 autocast on CUDA, float32 on
+    CPU/MPS unless asked."""
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = ("float32" if device.type != "cuda"
+                 else "bfloat16" if torch.cuda.is_bf16_supported() else "float16")
+    slow = dtype == "float16" or (dtype == "bfloat16" and not cpu_has_bfloat16())
+    if slow and device.type == "cpu" and master:
+        print(f"warning: --dtype {dtype} on this CPU runs many times slower than float32 "
+              f"(it has no fast {dtype} matrix products); it is allowed, but use --dtype float32 "
+              f"(the CPU default) unless you are testing mixed precision", file=sys.stderr)
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
+               'float16': torch.float16}[dtype]
+    ctx = (nullcontext() if dtype == "float32"
+           else torch.autocast(device_type=device.type, dtype=ptdtype))
+    return dtype, ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
 
 
 def keep_freed_memory():

@@ -642,7 +642,7 @@ def test_a_run_directory_with_metrics_but_no_checkpoint_is_not_replaced(tiny_dat
 def test_slow_half_precision_on_the_cpu_warns_once(tiny_data, tmp_path, capsys, monkeypatch, dtype,
                                                    native_bfloat16, warns):
     """float16 is slow on CPUs; bfloat16 only on one without native bfloat16 matrix products."""
-    monkeypatch.setattr(T, "cpu_has_bfloat16", lambda: native_bfloat16)
+    monkeypatch.setattr(SY, "cpu_has_bfloat16", lambda: native_bfloat16)
     T.train(cfg_for(tiny_data, tmp_path / "run", max_iters=1, dtype=dtype))
     err = capsys.readouterr().err
     assert err.count(f"warning: --dtype {dtype} on this CPU runs many times slower than float32") == warns
