@@ -160,24 +160,20 @@ class Router(nn.Module):
     def __init__(self, n_embd, heads=1, static_sources=None):
         super().__init__()
         self.heads, self.static = heads, static_sources is not None
-        if self.static:  # b: one logit per source (and head); no query, no keys
-            if heads == 1:
-                self.logits = nn.Parameter(torch.zeros(static_sources))
-            else:
-                self.logits = nn.Parameter(torch.zeros(heads, static_sources))
+        if self.static:  # b: one logit per head and source; no query, no keys
+            self.logits = nn.Parameter(torch.zeros(heads, static_sources))
         else:
             self.query = nn.Parameter(torch.zeros(n_embd))  # w
             self.norm = nn.RMSNorm(n_embd, eps=ROUTE_EPS)  # RMSNorm_g: its weight is the key gain g
 
     def forward(self, sources):
-        """sources: n tensors (B, T, D) -> read (B, T, D), alpha (B, T, n),
-        or (B, T, H, n) with heads."""
+        """sources: n tensors (B, T, D) -> read (B, T, D), alpha (B, T, H, n) (H = 1: one head)."""
         H = self.heads
         with torch.autocast(sources[0].device.type, enabled=False):
             s = [upcast(s_i).unflatten(-1, (H, -1)) for s_i in sources]  # s_i[h], (B, T, H, D/H)
             if self.static:
                 # b_i^h, (B, T, H, n)
-                logits = upcast(self.logits).view(H, -1).expand(*s[0].shape[:2], H, -1)
+                logits = upcast(self.logits).expand(*s[0].shape[:2], H, -1)
             else:
                 w = upcast(self.query).view(H, -1)  # w_h, (H, D/H)
                 # RMSNorm_g(s_i)[h]
@@ -187,7 +183,7 @@ class Router(nn.Module):
             alpha = logits.softmax(dim=-1)  # over the sources, per head
             # read[h] = sum_i alpha_i^h s_i[h]
             read = sum(alpha[..., i, None] * s_i for i, s_i in enumerate(s))
-        return read.flatten(-2).to(sources[0].dtype), alpha.squeeze(-2) if H == 1 else alpha
+        return read.flatten(-2).to(sources[0].dtype), alpha
 
 
 def upcast(t):
@@ -421,7 +417,7 @@ class GPT(nn.Module):
     def hidden(self, idx, kv_cache=None, record=None):
         """Token ids (B, T) -> final hidden states ln_f(output) (B, T, D).
         kv_cache: a list of per-layer [k, v] lists, filled and extended by generation.
-        record: a list that collects every router's (sources, alpha (B, T, n)), in order,
+        record: a list that collects every router's (sources, alpha (B, T, H, n)), in order,
         for routing statistics."""
         device = idx.device
         b, t = idx.size()
@@ -743,7 +739,7 @@ class FastStream(Stream):
         partial = sources[len(self.blocks):]  # [p] when the partial sum is routed, else []
         if self.static:  # one logit per source, the same for every token
             # (n, 1, 1, H)
-            logits = upcast(router.logits).view(self.heads, -1).t()[:, None, None, :]
+            logits = upcast(router.logits).t()[:, None, None, :]
             logits, query = logits.expand(-1, *sources[0].shape[:2], -1), None  # (n, B, T, H)
         else:
             # the blocks' logits from phase 1;
@@ -765,8 +761,7 @@ class FastStream(Stream):
                 self.handed_on = handed_on[:len(self.blocks)]
         # the sources themselves: the aliases stay inside the router chain
         if self.record is not None:
-            self.record.append(
-                (sources, alpha.squeeze(-2) if self.heads == 1 else alpha))  # (B, T, [H,] n)
+            self.record.append((sources, alpha))  # alpha (B, T, H, n)
         return u
 
 

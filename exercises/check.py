@@ -175,8 +175,7 @@ def projects_router(w, g, heads=1):
 def project_route(sources, w, g, heads=1):
     """The project's Router with query w and gain g: read (B, T, D), alpha (B, T, H, n)."""
     with torch.no_grad():
-        read, alpha = projects_router(w, g, heads)(sources)
-    return read, alpha if heads > 1 else alpha.unsqueeze(-2)
+        return projects_router(w, g, heads)(sources)
 
 
 def project_grads(sources, w, g, G, heads=1):
@@ -236,15 +235,20 @@ def read_and_alpha(student, fn, out, case, shapes):
                  for what, t, shape in zip(("read", "alpha"), out, shapes))
 
 
+def heads_first(fn, alpha):
+    """alpha as the project's Router gives it, (B, T, H, n): exercise A's route() returns one head's
+    (B, T, n), the shape its docstring and the page give a student who has not met heads yet."""
+    return alpha.unsqueeze(-2) if fn == "route" else alpha
+
+
 def routed(student, fn, heads, sources, w, g, case, **kw):
-    """The student's (read, alpha) for these inputs, alpha as (B, T, H, n) (route(): one head, whose
-    alpha is (B, T, n) as exercise A's docstring says)."""
+    """The student's (read, alpha) for these inputs, alpha as (B, T, H, n)."""
     args = () if fn == "route" else (heads,)
     n, shape = len(sources), sources[0].shape
     out = student(fn, sources, w, g, *args, **kw)
     alpha_shape = shape[:2] + ((n,) if fn == "route" else (heads, n))
     read, alpha = read_and_alpha(student, fn, out, case, (shape, alpha_shape))
-    return read, alpha.unsqueeze(-2) if fn == "route" else alpha
+    return read, heads_first(fn, alpha)
 
 
 def values(student, fn, cases, mistakes):

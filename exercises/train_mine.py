@@ -66,7 +66,7 @@ def routed_by(student, fn):
         with torch.autocast(sources[0].device.type, enabled=False):  # float32 (or float64), as Router.forward
             s, w, g = [upcast(x) for x in sources], upcast(self.query), upcast(self.norm.weight)
             read, alpha = student(fn, s, w, g) if self.heads == 1 else student(fn, s, w, g, self.heads)
-        return read.to(sources[0].dtype), alpha
+        return read.to(sources[0].dtype), check.heads_first(fn, alpha)
 
     Router.forward = forward
     try:

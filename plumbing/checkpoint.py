@@ -83,6 +83,8 @@ def model_from_checkpoint(ckpt, **override):
     config = gpt_config(**{**ckpt["model_config"], **override})
     model = GPT(config)
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}  # nanoGPT's compiled-model prefix
+    # static logits were (n,) for one head before they were (H, n) for every H
+    state = {k: v[None] if k.endswith("_router.logits") and v.dim() == 1 else v for k, v in state.items()}
     if routing_changed(ckpt["model_config"], config):
         state = {k: v for k, v in state.items() if not is_routing_key(k)}  # new routing starts at zero init
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -36,12 +36,11 @@ def routing_stats(model, idx):
 
 
 def sublayer_row(name, k, sources, alpha):
-    """One sublayer's statistics from its sources (n tensors (B, T, D)) and weights alpha (B, T, n), or
-    (B, T, H, n) with H routing heads: then each statistic is the mean over heads, and `heads` has each head's."""
+    """One sublayer's statistics from its sources (n tensors (B, T, D)) and weights alpha (B, T, H, n): each
+    statistic is the mean over the H routing heads, and `heads` has each head's."""
     cos = [F.cosine_similarity(a.float(), b.float(), dim=-1).mean().item() for a, b in zip(sources, sources[1:])]
     row = dict(name=name, index=k, **weight_stats(alpha), adj_cos=sum(cos) / len(cos) if cos else float("nan"))
-    if alpha.dim() == 4:
-        row["heads"] = [weight_stats(alpha[:, :, h]) for h in range(alpha.size(2))]
+    row["heads"] = [weight_stats(alpha[:, :, h]) for h in range(alpha.size(2))]
     return row
 
 

@@ -159,8 +159,9 @@ def test_router_is_its_formula():
     router, sources = router_inputs(n=3)
     read, alpha = router(sources)
     logits = torch.stack([(F.rms_norm(s, (8,), eps=1e-6) * router.norm.weight) @ router.query for s in sources], -1)
-    torch.testing.assert_close(alpha, logits.softmax(-1))
-    torch.testing.assert_close(read, sum(alpha[..., i:i + 1] * s for i, s in enumerate(sources)))
+    assert alpha.shape == (2, 3, 1, 3)  # (B, T, H, n) for every H, one head here
+    torch.testing.assert_close(alpha[..., 0, :], logits.softmax(-1))
+    torch.testing.assert_close(read, sum(alpha[..., 0, i:i + 1] * s for i, s in enumerate(sources)))
 
 
 def test_one_head_router_is_the_single_head_formula():
@@ -170,7 +171,7 @@ def test_one_head_router_is_the_single_head_formula():
     read, alpha = router(sources)
     s = torch.stack(sources, dim=-2)
     ref_alpha = (F.rms_norm(s, (16,), router.norm.weight, 1e-6) @ router.query).softmax(-1)
-    torch.testing.assert_close(alpha, ref_alpha, rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(alpha[..., 0, :], ref_alpha, rtol=1e-14, atol=1e-15)
     torch.testing.assert_close(read, (ref_alpha.unsqueeze(-1) * s).sum(-2), rtol=1e-14, atol=1e-14)
     sources = [s.float() for s in sources]
     logits = fast_logits(folded_queries([router.float()]), sources)[..., 0]  # (n, B, T)
@@ -228,7 +229,7 @@ def test_routing_weights_are_a_simplex(residual, heads):
     with torch.no_grad():
         model.hidden(idx_batch(), record=record)
     assert [alpha.size(-1) for _, alpha in record] == model.sources_per_router()
-    assert all(alpha.shape[:-1] == ((2, 32) if heads == 1 else (2, 32, heads)) for _, alpha in record)
+    assert all(alpha.shape[:-1] == (2, 32, heads) for _, alpha in record)
     for sources, alpha in record:
         assert len(sources) == alpha.size(-1) and (alpha >= 0).all()
         torch.testing.assert_close(alpha.sum(-1), torch.ones(alpha.shape[:-1]))
@@ -370,7 +371,7 @@ def test_score_and_route_read_equal_router(n, partial, additive, heads):
     ref, alpha_ref = router(sources)
     ref = ref if base is None else base + ref
     torch.testing.assert_close(read, ref)
-    torch.testing.assert_close(alpha.movedim(0, -1), alpha_ref if heads > 1 else alpha_ref.unsqueeze(-2))
+    torch.testing.assert_close(alpha.movedim(0, -1), alpha_ref)
     for g, g_ref in zip(grads(read), grads(ref)):
         torch.testing.assert_close(g, g_ref)
 
@@ -477,7 +478,7 @@ def test_fast_pieces_under_bf16_autocast_match_float64():
     exact = [s.detach().double().requires_grad_() for s in mixed]
     read64, alpha64 = ref(exact)
     (read64 * torch.linspace(-1, 1, 32, dtype=torch.float64)).sum().backward()
-    torch.testing.assert_close(alpha[..., 0].movedim(0, -1).double(), alpha64, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(alpha.movedim(0, -1).double(), alpha64, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(read.double(), read64, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(router.query.grad.double(), ref.query.grad, atol=1e-5, rtol=1e-4)
     for s, s64 in zip(mixed, exact):
@@ -713,6 +714,19 @@ def test_checkpoints_of_the_previous_format_still_load(name, fast):
     with torch.no_grad():
         logits, _ = model(expected["idx"])
     torch.testing.assert_close(logits, expected["logits"])
+
+
+def test_one_head_static_checkpoint_of_the_previous_shape_loads():
+    """Static logits were (n,) for one head before they were (H, n) for every H: such a checkpoint loads, reshaped,
+    and routes as it did."""
+    model = model_of(tiny("attnres", route_weights="static", n_route_blocks=2), queries=1.0)
+    old = {k: v.squeeze(0) if k.endswith("_router.logits") else v for k, v in model.state_dict().items()}
+    assert any(v.dim() == 1 for k, v in old.items() if k.endswith("_router.logits"))
+    ckpt = dict(model=old, model_config=dict(vars(model.config)))
+    loaded = CK.model_from_checkpoint(ckpt).eval()
+    assert all(r.logits.shape == (1, n) for r, n in zip(loaded.routers, loaded.sources_per_router()))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx_batch())[0], model(idx_batch())[0])
 
 
 def test_fast_routing_is_not_part_of_the_weights():

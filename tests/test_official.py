@@ -53,7 +53,7 @@ def test_delta_routes_the_first_sublayer_over_the_embedding(fast):
     sources, alpha = record[0]
     assert len(sources) == 1
     assert torch.equal(sources[0], e)
-    assert alpha.shape == (*idx.shape, 1) and torch.all(alpha == 1)
+    assert alpha.shape == (*idx.shape, 1, 1) and torch.all(alpha == 1)  # (B, T, H, n)
     assert len(ln_inputs) == 1 and torch.equal(ln_inputs[0], 2 * e)
     assert len(record[1][0]) == 2  # sublayer 2 reads [e, v_1]
 
@@ -136,7 +136,7 @@ def test_delta_block_start_reads_the_block_just_completed(fast):
         for j in range(1, m + 1):  # b_j = x at block j's end - x at its start
             torch.testing.assert_close(sources[j], xs[j * L] - xs[(j - 1) * L], **close)
         torch.testing.assert_close(sum(sources), xs[m * L], **close)  # they sum to the block-start stream
-        torch.testing.assert_close(alpha, hand_alpha, **close)
+        torch.testing.assert_close(alpha[..., 0, :], hand_alpha, **close)  # one head
     torch.testing.assert_close(out, out_by_hand, **close)
     for j in range(N):  # the official ordering reads one source fewer at every block start, and only there
         k = j * L + 1
