@@ -1,9 +1,10 @@
-"""The checks of the exercises in this folder (exercises/conftest.py runs them under pytest, one test per
-check). Each imports a student's file afresh, runs its functions on small fixed float64 inputs and
-compares them with the project's own code (delta_gpt's Router, Stream and GPT): the values, then for the
-router the gradients that reach its inputs, then invariants of the formula on random inputs. A failure
-is one sentence (Wrong) saying what is wrong in the exercise's terms; where the output is what a known
-mistake (exercises/mistakes.py) gives on the same inputs, it names that mistake."""
+"""The checks of the exercises in this folder (exercises/conftest.py runs them under pytest, one
+test per check). Each imports a student's file afresh, runs its functions on small fixed float64
+inputs and compares them with the project's own code (delta_gpt's Router, Stream and GPT): the
+values, then for the router the gradients that reach its inputs, then invariants of the formula on
+random inputs. A failure is one sentence (Wrong) saying what is wrong in the exercise's terms; where
+the output is what a known mistake (exercises/mistakes.py) gives on the same inputs, it names that
+mistake."""
 import importlib.util
 import math
 import re
@@ -28,8 +29,8 @@ class Wrong(Exception):
 
 
 class Unusable(Wrong):
-    """The file cannot be run: it does not import, or a function is unwritten, raises, or returns the
-    wrong type, shape, dtype or NaN (exercises.train_mine refuses to train with it)."""
+    """The file cannot be run: it does not import, or a function is unwritten, raises, or returns
+    the wrong type, shape, dtype or NaN (exercises.train_mine refuses to train with it)."""
 
 
 class Blocked(Unusable):
@@ -85,13 +86,14 @@ def line_in(e, path):
 
 
 def first_sentence(text):
-    """The first sentence of an error's text, without its full stop: a message stays one sentence."""
+    """The first sentence of an error's text, without its full stop: a message stays one
+    sentence."""
     return (str(text).strip().splitlines() or [""])[0].split(". ")[0].rstrip(".")
 
 
 def load(name, folder=FOLDER):
-    """The student's file folder/NAME.py, imported afresh (an edit counts at once); an import error is
-    one sentence."""
+    """The student's file folder/NAME.py, imported afresh (an edit counts at once); an import error
+    is one sentence."""
     path, file = folder / f"{name}.py", f"{folder.name}/{name}.py"
     if not path.exists():
         raise Unusable(f"{file} is missing; `git checkout {file}` brings the stub back.")
@@ -133,8 +135,8 @@ def same(xs, ys):
 
 
 def verdict(student, fn, case, names, got, want, mistakes, reference):
-    """Nothing if got equals want; else one sentence naming the wrong outputs and, if got is what one
-    of the mistakes [(hint, output)] gives, that mistake."""
+    """Nothing if got equals want; else one sentence naming the wrong outputs and, if got is what
+    one of the mistakes [(hint, output)] gives, that mistake."""
     bad = [n for n, a, b in zip(names, got, want) if not close(a, b)]
     if not bad:
         return
@@ -151,16 +153,17 @@ def and_list(names):
     return f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
 
 
-# ---------------------------------------------------------------- A and B: the router's read, 1 and H heads
+# ---------------------------------------------------------------- A and B: the router's read
 
 def route_inputs(n, tiny=False, B=2, T=3, D=8):
-    """n sources of growing scale (with tiny, one of scale 1e-4, where the norm's eps matters), a query
-    w and a gain g."""
+    """n sources of growing scale (with tiny, one of scale 1e-4, where the norm's eps matters), a
+    query w and a gain g."""
     gen = torch.Generator().manual_seed(n + 10 * tiny)
     sources = [torch.randn(B, T, D, generator=gen, dtype=F64) * (i + 1) for i in range(n)]
     if tiny:
         sources[1] = sources[1] * 1e-4
-    return sources, torch.randn(D, generator=gen, dtype=F64), 0.5 + torch.rand(D, generator=gen, dtype=F64)
+    w = torch.randn(D, generator=gen, dtype=F64)
+    return sources, w, 0.5 + torch.rand(D, generator=gen, dtype=F64)
 
 
 def projects_router(w, g, heads=1):
@@ -182,55 +185,60 @@ def project_grads(sources, w, g, G, heads=1):
     """Autograd through the project's Router, L = sum(read * G): [dL/ds_1, ..., dL/dw, dL/dg]."""
     router = projects_router(w, g, heads)
     sources = [s.clone().requires_grad_() for s in sources]
-    return list(torch.autograd.grad(router(sources)[0], [*sources, router.query, router.norm.weight],
-                                    G))
+    inputs = [*sources, router.query, router.norm.weight]
+    return list(torch.autograd.grad(router(sources)[0], inputs, G))
 
 
 AXIS = "softmax over the wrong axis: alpha must sum to one over the n sources (alpha's last axis)"
 NORM_MISTAKES = [  # (the step done wrong, as mistakes.route's keyword, the hint that names it)
-    (dict(keys=M.gain_forgotten), "the gain g is forgotten: the key is g * s_i / sqrt(mean(s_i^2) + eps)"),
-    (dict(keys=M.not_normed), "the keys are not RMS-normed: divide each s_i by sqrt(mean(s_i^2) + eps) "
-                              "over its D channels"),
-    (dict(keys=M.mean_subtracted), "the mean is subtracted (a LayerNorm): RMSNorm only divides by the "
-                                   "root mean square"),
-    (dict(keys=M.eps_missing), "eps is missing: sqrt(mean(s_i^2) + eps), which matters most for a small "
-                               "source"),
+    (dict(keys=M.gain_forgotten),
+     "the gain g is forgotten: the key is g * s_i / sqrt(mean(s_i^2) + eps)"),
+    (dict(keys=M.not_normed), "the keys are not RMS-normed: divide each s_i by sqrt(mean(s_i^2) + "
+                              "eps) over its D channels"),
+    (dict(keys=M.mean_subtracted), "the mean is subtracted (a LayerNorm): RMSNorm only divides by "
+                                   "the root mean square"),
+    (dict(keys=M.eps_missing), "eps is missing: sqrt(mean(s_i^2) + eps), which matters most for a "
+                               "small source"),
     (dict(keys=M.eps_outside), "eps is added outside the square root: sqrt(mean(s_i^2) + eps)"),
-    (dict(keys=M.l2_norm), "the key divides by the L2 norm sqrt(sum(s_i^2)): RMSNorm takes the mean over "
-                           "the D channels, sqrt(mean(s_i^2) + eps)"),
-    (dict(keys=M.rms_over_the_sources), "the mean of s^2 runs over the sources: each source is normed by "
-                                        "its own D channels, mean(-1) of the stacked (B, T, n, D)"),
-    (dict(keys=M.one_rms_for_all_sources), "one root mean square is taken over all the sources together: "
-                                           "each source is normed by its own, over its D channels"),
-    (dict(read=M.read_of_the_keys), "the read mixes the normed keys: it is sum_i alpha_i * s_i, the "
-                                    "sources themselves"),
+    (dict(keys=M.l2_norm), "the key divides by the L2 norm sqrt(sum(s_i^2)): RMSNorm takes the "
+                           "mean over the D channels, sqrt(mean(s_i^2) + eps)"),
+    (dict(keys=M.rms_over_the_sources), "the mean of s^2 runs over the sources: each source is "
+                                        "normed by its own D channels, mean(-1) of the stacked (B, "
+                                        "T, n, D)"),
+    (dict(keys=M.one_rms_for_all_sources), "one root mean square is taken over all the sources "
+                                           "together: each source is normed by its own, over its D "
+                                           "channels"),
+    (dict(read=M.read_of_the_keys), "the read mixes the normed keys: it is sum_i alpha_i * s_i, "
+                                    "the sources themselves"),
     (dict(read=M.mean_of_the_sources), "the read is a mean over the sources: it is the sum "
                                        "sum_i alpha_i * s_i (the weights already sum to one)"),
 ]
 ROUTE_MISTAKES = NORM_MISTAKES + [
     (dict(weights=M.softmax_over_batch), AXIS + ", for each token"),
     (dict(weights=M.softmax_over_tokens), AXIS + ", for each token"),
-    (dict(scores=M.scaled_scores), "the scores are divided by sqrt(D): the router has no 1/sqrt(D) and "
-                                   "no temperature"),
+    (dict(scores=M.scaled_scores), "the scores are divided by sqrt(D): the router has no 1/sqrt(D) "
+                                   "and no temperature"),
 ]
 HEAD_MISTAKES = NORM_MISTAKES + [
-    (dict(keys=M.norm_per_head), "the RMSNorm is taken per head: norm each source over its full width D, "
-                                 "then cut the keys into heads"),
+    (dict(keys=M.norm_per_head), "the RMSNorm is taken per head: norm each source over its full "
+                                 "width D, then cut the keys into heads"),
     (dict(weights=M.softmax_over_heads), AXIS + ", for each token and head, not over the heads"),
     (dict(weights=M.softmax_over_tokens), AXIS + ", for each token and head"),
     (dict(weights=M.softmax_over_batch), AXIS + ", for each token and head"),
-    (dict(channels=M.strided), "the heads take strided channels: head h owns the contiguous channels "
-                               "h*D/H to (h+1)*D/H - 1 (unflatten the last dim to (H, D/H))"),
-    (dict(scores=M.one_score_for_all_heads), "every head uses the one-head score: head h's score is "
-                                             "w_h . key_i[h], its own part of it"),
-    (dict(scores=M.scaled_scores), "the scores are divided by sqrt(D/H): the router has no temperature"),
+    (dict(channels=M.strided), "the heads take strided channels: head h owns the contiguous "
+                               "channels h*D/H to (h+1)*D/H - 1 (unflatten the last dim to (H, "
+                               "D/H))"),
+    (dict(scores=M.one_score_for_all_heads), "every head uses the one-head score: head h's score "
+                                             "is w_h . key_i[h], its own part of it"),
+    (dict(scores=M.scaled_scores),
+     "the scores are divided by sqrt(D/H): the router has no temperature"),
 ]
 
 
 def read_and_alpha(student, fn, out, case, shapes):
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise Unusable(f"{student.file}: {fn}() returned {type(out).__name__} {case}; it must return "
-                       f"(read, alpha).")
+        raise Unusable(f"{student.file}: {fn}() returned {type(out).__name__} {case}; it must "
+                       "return (read, alpha).")
     return tuple(returned(student, fn, what, t, shape, case)
                  for what, t, shape in zip(("read", "alpha"), out, shapes))
 
@@ -252,52 +260,55 @@ def routed(student, fn, heads, sources, w, g, case, **kw):
 
 
 def values(student, fn, cases, mistakes):
-    """The read and the weights of each case against the project's Router's; a known mistake named."""
+    """The read and the weights of each case against the project's Router's; a known mistake
+    named."""
     for case, n, heads, tiny in cases:
         sources, w, g = route_inputs(n, tiny)
         got = routed(student, fn, heads, [s.clone() for s in sources], w.clone(), g.clone(), case)
         named = [(hint, M.route(sources, w, g, heads, **kw)) for kw, hint in mistakes]
-        verdict(student, fn, case, ("read", "alpha"), got, project_route(sources, w, g, heads), named,
-                "the project's Router")
+        want = project_route(sources, w, g, heads)
+        verdict(student, fn, case, ("read", "alpha"), got, want, named, "the project's Router")
 
 
 GRAD_CASE = "for 3 sources, one of scale 1e-4"
 
 
 def flowing(student, fn, heads=1):
-    """The gradients of L = sum(read * G) that reach the 3 sources, w and g through the student's read,
-    and autograd's through the project's Router; Blocked if the student's cannot learn: it changes an
-    input in place, its read has no gradient, or none reaches one of the inputs."""
+    """The gradients of L = sum(read * G) that reach the 3 sources, w and g through the student's
+    read, and autograd's through the project's Router; Blocked if the student's cannot learn: it
+    changes an input in place, its read has no gradient, or none reaches one of the inputs."""
     case = GRAD_CASE + (f" and {heads} heads" if fn != "route" else "")
     sources, w, g = route_inputs(3, tiny=True)
     G = torch.randn(sources[0].shape, generator=torch.Generator().manual_seed(7), dtype=F64)
     leaves = [t.clone().requires_grad_() for t in (*sources, w, g)]
-    given = [t * 1 for t in leaves]  # not leaves, as in the model: an in-place edit shows as a change
+    given = [t * 1 for t in leaves]  # not leaves, as in the model: an in-place edit shows
     read, _ = routed(student, fn, heads, given[:3], given[3], given[4], case)
-    where, names = f"{student.file}: {fn}()", ["the source s_1", "s_2", "s_3", "the query w", "the gain g"]
+    where = f"{student.file}: {fn}()"
+    names = ["the source s_1", "s_2", "s_3", "the query w", "the gain g"]
     changed = [name for name, a, b in zip(names, given, (*sources, w, g)) if not torch.equal(a, b)]
     if changed:
-        raise Blocked(f"{where} changes {and_list(changed)} in place {case}, and the model's sources are "
-                      f"tensors that later sublayers and the backward read too; compute new tensors "
-                      f"(s / r, not s.div_(r)).")
+        raise Blocked(f"{where} changes {and_list(changed)} in place {case}, and the model's "
+                      "sources are tensors that later sublayers and the backward read too; compute "
+                      "new tensors (s / r, not s.div_(r)).")
     if not read.requires_grad:
-        raise Blocked(f"{where} returns a read that no gradient flows through {case}, so the routing "
-                      f"cannot learn; compute it outside torch.no_grad() and without .detach().")
+        raise Blocked(f"{where} returns a read that no gradient flows through {case}, so the "
+                      "routing cannot learn; compute it outside torch.no_grad() and without "
+                      ".detach().")
     try:
         got = torch.autograd.grad(read, leaves, G, allow_unused=True)
     except RuntimeError as e:
         if "inplace operation" not in str(e):
             raise
-        raise Blocked(f"{where} changes in place a tensor that autograd saved for the backward {case}, "
-                      f"so the training's backward fails; write the out-of-place form (keys = keys / r, "
-                      f"not keys.div_(r) or keys /= r).") from None
+        raise Blocked(f"{where} changes in place a tensor that autograd saved for the backward "
+                      f"{case}, so the training's backward fails; write the out-of-place form "
+                      "(keys = keys / r, not keys.div_(r) or keys /= r).") from None
     got = [torch.zeros_like(t) if a is None else a for a, t in zip(got, leaves)]
     want = project_grads(sources, w, g, G, heads)
     blocked = [name for name, a, b in zip(names, got, want) if not a.any() and b.any()]
-    if set(blocked) - {"the gain g"}:  # without g's, the query still learns: a forgotten gain trains
-        raise Blocked(f"{where} lets no gradient reach {and_list(blocked)} through its read {case}, so "
-                      f"the routing cannot learn; compute the keys and the weights outside "
-                      f"torch.no_grad() and without .detach() or .data.")
+    if set(blocked) - {"the gain g"}:  # the query learns without g's: a forgotten gain trains
+        raise Blocked(f"{where} lets no gradient reach {and_list(blocked)} through its read "
+                      f"{case}, so the routing cannot learn; compute the keys and the weights "
+                      "outside torch.no_grad() and without .detach() or .data.")
     return names, got, want, case
 
 
@@ -307,56 +318,58 @@ def gradients(student, fn, heads=1):
     bad = [name for name, a, b in zip(names, got, want) if not close(a, b)]
     if bad:
         diff = max((a - b).abs().max().item() for a, b in zip(got, want))
-        raise Wrong(f"{student.file}: {fn}() passes the wrong gradient to {and_list(bad)} {case} (at "
-                    f"most {diff:.1e} away from autograd through the project's Router), while its read "
-                    f"is right: part of it is cut from autograd (.detach(), .data, .item(), numpy, "
-                    f"torch.no_grad()) or changed in place.")
+        raise Wrong(f"{student.file}: {fn}() passes the wrong gradient to {and_list(bad)} {case} "
+                    f"(at most {diff:.1e} away from autograd through the project's Router), while "
+                    "its read is right: part of it is cut from autograd (.detach(), .data, "
+                    ".item(), numpy, torch.no_grad()) or changed in place.")
 
 
 def properties(student, fn, cases=20):
-    """Invariants of the formula on random inputs, each checked by its own comparison: the weights sum
-    to one, a permutation of the sources permutes the weights and leaves the read, scaling a source
-    leaves its key (eps 0), and a zero query gives uniform weights."""
+    """Invariants of the formula on random inputs, each checked by its own comparison: the weights
+    sum to one, a permutation of the sources permutes the weights and leaves the read, scaling a
+    source leaves its key (eps 0), and a zero query gives uniform weights."""
     gen = torch.Generator().manual_seed(0)
     pick = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=gen))
     for _ in range(cases):
         n, B, T, heads = pick(1, 5), pick(1, 3), pick(1, 4), 1 if fn == "route" else 2 ** pick(0, 2)
         D = heads * pick(1, 4)
-        sources = [torch.randn(B, T, D, generator=gen, dtype=F64) * 3 ** pick(-2, 2) for _ in range(n)]
+        sources = [torch.randn(B, T, D, generator=gen, dtype=F64) * 3 ** pick(-2, 2)
+                   for _ in range(n)]
         w = torch.randn(D, generator=gen, dtype=F64)
         g = 0.5 + torch.rand(D, generator=gen, dtype=F64)
-        case = f"for random inputs (n={n}, B={B}, T={T}, D={D}{f', H={heads}' if fn != 'route' else ''})"
+        H = f", H={heads}" if fn != "route" else ""
+        case = f"for random inputs (n={n}, B={B}, T={T}, D={D}{H})"
         each = " and head" if fn != "route" else ""
         run = lambda ss, w=w, **kw: routed(student, fn, heads, [s.clone() for s in ss], w.clone(),
                                            g.clone(), case, **kw)
         broken = f"{student.file}: {fn}() breaks an invariant of the formula {case}"
         read, alpha = run(sources)
         if not torch.allclose(alpha.sum(-1), torch.ones_like(alpha[..., 0]), **TOL):
-            raise Wrong(f"{broken}: its weights do not sum to one over the sources for each token{each}; "
-                        f"take the softmax over the n sources.")
+            raise Wrong(f"{broken}: its weights do not sum to one over the sources for each "
+                        f"token{each}; take the softmax over the n sources.")
         p = torch.randperm(n, generator=gen)
         read_p, alpha_p = run([sources[i] for i in p])
         if not (close(alpha_p, alpha[..., p]) and close(read_p, read)):
             raise Wrong(f"{broken}: reordering the sources does not reorder the weights alike and "
-                        f"leave the read as it was; treat every source alike, whatever its place in the "
-                        f"list.")
+                        "leave the read as it was; treat every source alike, whatever its place in "
+                        "the list.")
         j, c = pick(0, n - 1), 10 ** (2 * torch.rand((), generator=gen, dtype=F64).item() - 1)
         scaled = [s * c if i == j else s for i, s in enumerate(sources)]
         if not close(run(scaled, eps=0.0)[1], run(sources, eps=0.0)[1]):
-            raise Wrong(f"{broken}: scaling source {j + 1} by {c:.3g} changes the weights with eps = 0, "
-                        f"so its key is not scale-free; the key g * s / sqrt(mean(s^2)) is the same for "
-                        f"c * s.")
+            raise Wrong(f"{broken}: scaling source {j + 1} by {c:.3g} changes the weights with eps "
+                        "= 0, so its key is not scale-free; the key g * s / sqrt(mean(s^2)) is the "
+                        "same for c * s.")
         if not close(run(sources, w=torch.zeros_like(w))[1], torch.full_like(alpha, 1 / n)):
-            raise Wrong(f"{broken}: a zero query w does not give every source the weight 1/n; with w = 0 "
-                        f"every score w . key_i is 0.")
+            raise Wrong(f"{broken}: a zero query w does not give every source the weight 1/n; with "
+                        "w = 0 every score w . key_i is 0.")
 
 
-# each check of A and B pins down: the values on fixed inputs (one source, a source of scale 1e-4 and,
-# for B, heads of one channel included), the gradients of the read, and the formula's invariants
+# A's and B's checks pin down the values on fixed inputs (one source, a source of scale 1e-4,
+# for B heads of one channel), the gradients of the read, and the formula's invariants
 
 def router_read(student):
-    """route() against the project's Router (one head): 3 sources, one source, a source of scale 1e-4;
-    then its read's gradients and the formula's invariants."""
+    """route() against the project's Router (one head): 3 sources, one source, a source of scale
+    1e-4; then its read's gradients and the formula's invariants."""
     values(student, "route", [("for 3 sources", 3, 1, False), ("for one source", 1, 1, False),
                               ("for 3 sources, one of scale 1e-4", 3, 1, True)], ROUTE_MISTAKES)
     gradients(student, "route")
@@ -402,8 +415,8 @@ def mode_config(residual, kw):
 
 
 def project_reads(config, e, vs):
-    """The sources the project's Stream gives before each sublayer k = 1..S, and for attnres after the
-    last (its final router's read)."""
+    """The sources the project's Stream gives before each sublayer k = 1..S, and for attnres after
+    the last (its final router's read)."""
     stream, reads = Stream(e, config), []
     for v in vs:
         reads.append(stream.sources())
@@ -412,8 +425,8 @@ def project_reads(config, e, vs):
 
 
 def reads_of(write, sources, e, vs, block_len, route_partial, final):
-    """The same reads from a write() and a sources() of the exercise's form (copies: a later in-place
-    edit does not change them)."""
+    """The same reads from a write() and a sources() of the exercise's form (copies: a later
+    in-place edit does not change them)."""
     blocks, partial, reads = [e], None, []
     for k, v in enumerate(vs, start=1):
         reads.append([s.clone() for s in sources(blocks, partial, route_partial)])
@@ -427,11 +440,12 @@ def student_reads(student, e, vs, block_len, route_partial, final, mode):
 
     def write(blocks, partial, v, at, L):
         out = student("write", blocks, partial, v, at, L)
-        if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], (list, tuple))
+        if not (isinstance(out, (tuple, list)) and len(out) == 2
+                and isinstance(out[0], (list, tuple))
                 and (out[1] is None or isinstance(out[1], torch.Tensor))):
-            raise Unusable(f"{student.file}: write() returned {type(out).__name__} after sublayer {at} "
-                           f"of {mode}; it must return (blocks, partial): a list of tensors, a tensor "
-                           f"or None.")
+            raise Unusable(f"{student.file}: write() returned {type(out).__name__} after sublayer "
+                           f"{at} of {mode}; it must return (blocks, partial): a list of tensors, "
+                           "a tensor or None.")
         k[0] = at + 1
         return list(out[0]), out[1]
 
@@ -439,8 +453,8 @@ def student_reads(student, e, vs, block_len, route_partial, final, mode):
         out = student("sources", blocks, partial, route_partial)
         case = f"{when(k[0], len(vs))} of {mode}"
         if not isinstance(out, (list, tuple)):
-            raise Unusable(f"{student.file}: sources() returned {type(out).__name__} {case}; it must "
-                           f"return a list.")
+            raise Unusable(f"{student.file}: sources() returned {type(out).__name__} {case}; it "
+                           "must return a list.")
         return [returned(student, "sources", "a source", s, e.shape, case) for s in out]
 
     return reads_of(write, sources, e, vs, block_len, route_partial, final)
@@ -470,7 +484,8 @@ def describe(c):
             name = f"v{j}" if end == j else f"v{j}+v{end}" if end == j + 1 else f"v{j}+..+v{end}"
             terms.append((name, int(c[j])))
         j = end + 1
-    text = " + ".join(name if n == 1 else f"-{name}" if n == -1 else f"{n} {name}" for name, n in terms)
+    text = " + ".join(name if n == 1 else f"-{name}" if n == -1 else f"{n} {name}"
+                      for name, n in terms)
     return text.replace("+ -", "- ") or "0"
 
 
@@ -479,7 +494,8 @@ def listed(ts, e, vs):
 
 
 def one_off(got, want):
-    """(i, 'missing') or (i, 'counted twice') where got is want less its source i or with it twice."""
+    """(i, 'missing') or (i, 'counted twice') where got is want less its source i or with it
+    twice."""
     for i, t in enumerate(want):
         if same(got, want[:i] + want[i + 1:]):
             return i, "missing"
@@ -490,28 +506,28 @@ def one_off(got, want):
 
 SOURCE_MISTAKES = [  # (write, sources, hint)
     (M.official_write, M.right_sources,
-     "this is the official code's bookkeeping, its partial the stream x (e included, never reset) and "
-     "a new block x - blocks[-1]; a block's source is the sum of its own sublayers' outputs, and the "
-     "partial the current block's"),
+     "this is the official code's bookkeeping, its partial the stream x (e included, never reset) "
+     "and a new block x - blocks[-1]; a block's source is the sum of its own sublayers' outputs, "
+     "and the partial the current block's"),
     (M.minus_last_write, M.right_sources,
      "a block's source is its partial sum itself, not partial - blocks[-1] (the official code's "
      "bookkeeping, whose partial is the stream)"),
     (M.not_reset_write, M.right_sources,
-     "the partial sum is not reset when its block completes (set it back to None), so each block also "
-     "carries the earlier blocks' outputs"),
+     "the partial sum is not reset when its block completes (set it back to None), so each block "
+     "also carries the earlier blocks' outputs"),
     (M.last_only_write, M.right_sources,
      "each block keeps only its last sublayer's output; add v to the partial sum"),
     (M.right_write, M.partial_always_sources,
-     "route_partial is False here, so the partial sum is no source: only e and the completed blocks "
-     "are"),
+     "route_partial is False here, so the partial sum is no source: only e and the completed "
+     "blocks are"),
     (M.right_write, M.partial_never_sources,
-     "the current block's partial sum is missing: with route_partial (attnres always) it is read while "
-     "its block is not empty"),
+     "the current block's partial sum is missing: with route_partial (attnres always) it is read "
+     "while its block is not empty"),
 ]
 
 
-# C's first check pins down the order and the tensors of every read in six modes; its second, the sum
-# the sources telescope to, which is what the zero-init identity (exercise D) rests on
+# C's first check pins down every read's tensors and order in six modes; its second, the sum
+# the sources telescope to, which the zero-init identity (exercise D) rests on
 
 def sources_match_stream(student):
     """write() and sources() give the project's Stream's sources, in order, before every sublayer of
@@ -554,9 +570,10 @@ def sources_telescope(student):
                 continue
             want = torch.tensor([1.0] * (1 + done) + [0.0] * (S - done), dtype=F64)
             have = combination(total, e, vs)
-            wrong = (f"{student.file}: write() and sources() give {mode} sources {when(k, S)} that sum "
-                     f"to {describe(have)}, not to x_{done} = {describe(want)}"
-                     + ("" if config.route_partial else ", the stream where the current block began"))
+            wrong = (f"{student.file}: write() and sources() give {mode} sources {when(k, S)} that "
+                     f"sum to {describe(have)}, not to x_{done} = {describe(want)}"
+                     + ("" if config.route_partial
+                        else ", the stream where the current block began"))
             if have is None:
                 raise Wrong(f"{wrong}.")
             names = ["e"] + [f"v{j}" for j in range(1, S + 1)]
@@ -590,16 +607,16 @@ def zero_init_router(student):
         w, g = router.query, router.norm.weight
         where = f"{student.file}: init_router_() leaves"
         if not torch.equal(w, ref.query):
-            raise Wrong(f"{where} the query w not zero ({w.abs().max().item():.2g} at most): at init "
-                        f"every score w . key_i must be 0, so that alpha_i = 1/n and the read is a "
-                        f"multiple of the stream.")
+            raise Wrong(f"{where} the query w not zero ({w.abs().max().item():.2g} at most): at "
+                        "init every score w . key_i must be 0, so that alpha_i = 1/n and the read "
+                        "is a multiple of the stream.")
         if torch.equal(g, torch.zeros_like(g)):
-            raise Wrong(f"{where} the gain g at zero: then w's gradient, the key g * RMSNorm(s_i), is "
-                        f"zero too and routing never learns; start g at one, as RMSNorm does.")
+            raise Wrong(f"{where} the gain g at zero: then w's gradient, the key g * RMSNorm(s_i), "
+                        "is zero too and routing never learns; start g at one, as RMSNorm does.")
         if not torch.equal(g, ref.norm.weight):
             lo, hi = g.min().item(), g.max().item()
-            raise Wrong(f"{where} the gain g at {lo:.2g}{f' to {hi:.2g}' if hi > lo else ''}, not one; "
-                        f"start it at one, as RMSNorm (and GPT._init_weights) does.")
+            raise Wrong(f"{where} the gain g at {lo:.2g}{f' to {hi:.2g}' if hi > lo else ''}, not "
+                        "one; start it at one, as RMSNorm (and GPT._init_weights) does.")
 
 
 def unit_gain_baseline():
@@ -626,7 +643,8 @@ def exact(model):
 
 CONVERSIONS = [  # modes whose sources telescope, so that the identity holds
     ("delta", {}), ("attnres", dict(n_route_blocks=2, route_heads=2)),
-    ("delta_block", dict(n_route_blocks=2, route_partial=True)), ("attnres", dict(n_route_blocks=1)),
+    ("delta_block", dict(n_route_blocks=2, route_partial=True)),
+    ("attnres", dict(n_route_blocks=1)),
 ]
 
 
@@ -641,7 +659,8 @@ def zero_init_convert(student):
         where = f"{student.file}: convert({args})"
         model = student("convert", deepcopy(base), residual, **kw)
         if not isinstance(model, GPT):
-            raise Unusable(f"{where} returned {type(model).__name__}; it must return a delta_gpt.GPT.")
+            raise Unusable(f"{where} returned {type(model).__name__}; it must return a "
+                           f"delta_gpt.GPT.")
         asked = asdict(replace(base.config, residual=residual, **kw))
         changed = [k for k, v in asdict(model.config).items() if asked.get(k) != v]
         if changed:
@@ -653,17 +672,18 @@ def zero_init_convert(student):
                 if k not in sd or not torch.equal(sd[k].to(base_sd[k].dtype), base_sd[k])]
         if lost:
             raise Wrong(f"{where} does not hold the baseline's {lost[0]}: load the baseline's "
-                        f"state_dict into the routed model (strict=False: the routers' keys are the "
-                        f"ones it lacks).")
+                        "state_dict into the routed model (strict=False: the routers' keys are the "
+                        "ones it lacks).")
         if any(not torch.equal(r.query, torch.zeros_like(r.query)) for r in model.routers):
             raise Wrong(f"{where} has a query w that is not zero at init, so the routing is not "
-                        f"uniform and the read is no multiple of the stream; init every router with "
-                        f"init_router_().")
+                        "uniform and the read is no multiple of the stream; init every router with "
+                        "init_router_().")
         out = exact(model)(idx)[0]
         err = ((out - ref).abs().max() / ref.abs().max()).item()
         if not err < 1e-12:
-            raise Wrong(f"{where} does not compute the baseline's function: its logits are {err:.1e} "
-                        f"(relative) away from the baseline's in float64 with LayerNorm eps 0.")
+            raise Wrong(f"{where} does not compute the baseline's function: its logits are "
+                        f"{err:.1e} (relative) away from the baseline's in float64 with LayerNorm "
+                        "eps 0.")
 
 
 # ---------------------------------------------------------------- E: the router's backward
@@ -679,15 +699,16 @@ BACKWARD_MISTAKES = [  # (the backward with the mistake, the hint that names it)
      "the softmax's backward misses its second term: dL/dlogit_i = alpha_i (dL/dalpha_i - sum_j "
      "alpha_j dL/dalpha_j)"),
     (partial(M.backward, softmax=M.softmax_second_term_added),
-     "the softmax's backward adds its second term: dL/dlogit_i = alpha_i (dL/dalpha_i - sum_j alpha_j "
-     "dL/dalpha_j), a minus"),
+     "the softmax's backward adds its second term: dL/dlogit_i = alpha_i (dL/dalpha_i - sum_j "
+     "alpha_j dL/dalpha_j), a minus"),
     (partial(M.backward, dlogit=M.r_constant),
-     "r_i = 1/rms(s_i) is treated as a constant: it depends on s_i too, dr_i/ds_i = -r_i^3 s_i / D"),
+     "r_i = 1/rms(s_i) is treated as a constant: it depends on s_i too, dr_i/ds_i = "
+     "-r_i^3 s_i / D"),
     (partial(M.backward, dlogit=M.one_over_D_missing),
      "the 1/D of the mean is missing: dr_i/ds_i = -r_i^3 s_i / D"),
     (partial(M.backward, dlogit=M.r_term_added),
-     "the norm's term has the wrong sign: dr_i/ds_i = -r_i^3 s_i / D, so d logit_i / ds_i = (w * g) "
-     "r_i - logit_i r_i^2 s_i / D"),
+     "the norm's term has the wrong sign: dr_i/ds_i = -r_i^3 s_i / D, so d logit_i / ds_i = (w * "
+     "g) r_i - logit_i r_i^2 s_i / D"),
     (partial(M.backward, grad_s=M.direct_path_missing),
      "the direct path is missing: read = sum_i alpha_i s_i gives s_i the gradient alpha_i * "
      "grad_read besides the one through its score"),
@@ -712,7 +733,8 @@ def by_hand(student, sources, w, g, G, case):
     graph is built, which a backward by hand on inputs without requires_grad never does."""
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
-        out = student("route_backward", [s.clone() for s in sources], w.clone(), g.clone(), G.clone())
+        out = student("route_backward", [s.clone() for s in sources], w.clone(), g.clone(),
+                      G.clone())
     if saved:
         raise Wrong(f"{student.file}: route_backward() builds its backward with autograd "
                     f"(torch.autograd.grad or .backward()) {case}; exercise E asks for it by hand: "
@@ -723,17 +745,18 @@ def by_hand(student, sources, w, g, G, case):
 # E's check pins down the three gradients, by hand, on the same fixed inputs as exercise A's values
 
 def router_backward(student):
-    """route_backward() against autograd through the project's Router, float64: 3 sources, one source,
-    a source of scale 1e-4; and no autograd in it."""
+    """route_backward() against autograd through the project's Router, float64: 3 sources, one
+    source, a source of scale 1e-4; and no autograd in it."""
     for case, n, tiny in [("for 3 sources", 3, False), ("for one source", 1, False),
                           ("for 3 sources, one of scale 1e-4", 3, True)]:
         sources, w, g = route_inputs(n, tiny)
         G = torch.randn(sources[0].shape, generator=torch.Generator().manual_seed(7), dtype=F64)
         out = by_hand(student, sources, w, g, G, case)
-        if not (isinstance(out, (tuple, list)) and len(out) == 3 and isinstance(out[0], (list, tuple))
-                and len(out[0]) == n):
-            raise Unusable(f"{student.file}: route_backward() returned {type(out).__name__} {case}; it "
-                           f"must return (grad_sources, a list of {n} tensors, grad_w, grad_g).")
+        if not (isinstance(out, (tuple, list)) and len(out) == 3
+                and isinstance(out[0], (list, tuple)) and len(out[0]) == n):
+            raise Unusable(f"{student.file}: route_backward() returned {type(out).__name__} "
+                           f"{case}; it must return (grad_sources, a list of {n} tensors, grad_w, "
+                           "grad_g).")
         grad_s = [returned(student, "route_backward", "a source's gradient", t, G.shape, case)
                   for t in out[0]]
         got = (torch.stack(grad_s),

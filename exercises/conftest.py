@@ -1,6 +1,7 @@
-"""The exercises' checks under pytest: each file a student writes, exercises/NAME.py, is collected as
-its checks (exercises/check.py), so that `pytest exercises`, `pytest exercises/router_read.py` and
-`pytest exercises -k router_read` each run what they name, and a failure prints its one sentence."""
+"""The exercises' checks under pytest: each file a student writes, exercises/NAME.py, is collected
+as its checks (exercises/check.py), so that `pytest exercises`, `pytest exercises/router_read.py`
+and `pytest exercises -k router_read` each run what they name, and a failure prints its one
+sentence."""
 import sys
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def pytest_collect_file(file_path, parent):
 
 
 def pytest_pycollect_makemodule(module_path, parent):
-    # `pytest exercises/router_read.py`: its checks, not the student's file imported as a test module
+    # `pytest exercises/router_read.py`: its checks, not the student's file as a test module
     if is_exercise(module_path):
         return Exercise.from_parent(parent, path=module_path)
 
@@ -70,5 +71,5 @@ def pytest_collection_finish(session):
     keyword = session.config.option.keyword
     if keyword and not session.items:  # -k deselected every check: say so rather than run nothing
         raise pytest.UsageError(f"-k {keyword} matches none of the exercises' checks; name one of "
-                                f"{', '.join(check.CHECKS)} (with underscores), or leave -k out to run "
-                                f"them all.")
+                                f"{', '.join(check.CHECKS)} (with underscores), or leave -k out to "
+                                "run them all.")

@@ -1,7 +1,7 @@
-"""The known mistakes of exercises A to E, each a named function. The router, its backward and the sources'
-bookkeeping are written out here one step per function; a mistake is one step done wrong, and
-exercises/check.py names it when a student's output is exactly what the router with that step gives on
-the same inputs. With no step replaced, each written-out form is the project's own code
+"""The known mistakes of exercises A to E, each a named function. The router, its backward and the
+sources' bookkeeping are written out here one step per function; a mistake is one step done wrong,
+and exercises/check.py names it when a student's output is exactly what the router with that step
+gives on the same inputs. With no step replaced, each written-out form is the project's own code
 (tests/test_exercises.py holds them equal)."""
 import torch
 
@@ -36,7 +36,8 @@ def contiguous(D, heads):
 
 def route(sources, w, g, heads=1, eps=1e-6, keys=rms_keys, scores=head_scores,
           weights=softmax_over_sources, read=sum_of_sources, channels=contiguous):
-    """The router with each step a function (a mistake replaces one): read (B, T, D), alpha (B, T, H, n)."""
+    """The router with each step a function (a mistake replaces one): read (B, T, D), alpha (B, T,
+    H, n)."""
     s = torch.stack(sources, dim=-2)                                       # (B, T, n, D)
     order = channels(s.size(-1), heads)
     s, w, g = s[..., order], w[order], g[order]
