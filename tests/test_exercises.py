@@ -26,6 +26,12 @@ FILES = {"router_read": ["route"], "multi_head": ["route_heads"], "sources": ["w
 ANSWERS = [name for names in FILES.values() for name in names]
 
 
+@pytest.fixture(autouse=True)
+def at_root(monkeypatch):
+    """train_mine runs from the repository root only (data/ and runs/ are there), as `make test` does."""
+    monkeypatch.chdir(ROOT)
+
+
 def student(file, **functions):
     """The answers as the student's file exercises/FILE.py, with `functions` in place of theirs."""
     return check.Student(types.SimpleNamespace(**{**{n: getattr(A, n) for n in ANSWERS}, **functions}),
