@@ -552,6 +552,30 @@ def sources_match_stream(student):
             if off:
                 raise Wrong(f"{wrong}: {describe(combination(b[off[0]], e, vs))} is {off[1]}.")
             raise Wrong(f"{wrong}.")
+        sources_gradients(student, e, vs, config, mode)
+
+
+def sources_gradients(student, e, vs, config, mode):
+    """The gradient of a weighted sum of every read reaches e and each v_k as through the project's
+    Stream: no sum is cut from autograd."""
+    L, final = config.n_sublayers // config.n_route_blocks, config.residual == "attnres"
+    leaves = [t.clone().requires_grad_() for t in (e, *vs)]
+    weigh = lambda reads: sum((s * (10 * k + i + 1)).sum() for k, read in enumerate(reads)
+                              for i, s in enumerate(read))  # each slot its own weight
+    mine = student_reads(student, leaves[0], leaves[1:], L, config.route_partial, final, mode)
+    theirs = project_reads(config, leaves[0], leaves[1:])
+    # allow_unused: the last v is read by attnres's final router only; no graph: every read cut
+    grads = lambda reads: torch.autograd.grad(weigh(reads), leaves, allow_unused=True) \
+        if weigh(reads).requires_grad else [None] * len(leaves)
+    zero = lambda t, like: torch.zeros_like(like) if t is None else t
+    names = ["e"] + [f"v{j}" for j in range(1, len(vs) + 1)]
+    bad = [n for n, a, b, x in zip(names, grads(mine), grads(theirs), leaves)
+           if not close(zero(a, x), zero(b, x))]
+    if bad:
+        raise Wrong(f"{student.file}: write() and sources() give {mode} the right sources, but the "
+                    f"gradient through them does not reach {and_list(bad)} as through the "
+                    f"project's Stream: a sum is cut from autograd (.detach(), .data or "
+                    f"torch.no_grad()); keep every sum in autograd.")
 
 
 def sources_telescope(student):

@@ -554,3 +554,13 @@ def test_train_mine_runs_as_a_script_and_asks_for_the_root(tmp_path):
         assert r.returncode == 1 and r.stderr.splitlines() == [
             f"error: run it from the repository root ({ROOT}), where data/ and runs/ are: cd {ROOT} && python -m "
             f"exercises.train_mine ..."], r.stderr
+
+
+def test_sources_cut_from_autograd_are_named():
+    detached = edited("write", "partial = v if partial is None else partial + v",
+                      "partial = (v if partial is None else partial + v).detach()")
+    message = verdict(check.sources_match_stream, student("sources", write=detached))
+    assert message == ("exercises/sources.py: write() and sources() give delta (per sublayer) the right "
+                       "sources, but the gradient through them does not reach v1, v2, v3, v4, v5, v6 and "
+                       "v7 as through the project's Stream: a sum is cut from autograd (.detach(), .data or "
+                       "torch.no_grad()); keep every sum in autograd."), message
