@@ -4,7 +4,7 @@
 
 where [h] is channel group h: the D channels cut into H contiguous groups of D/H (group h holds channels
 h*D/H to (h+1)*D/H - 1), and w_h is group h of w. The RMSNorm is over the full width D, then cut into groups.
-Check it: python -m pytest exercises -k multi_head
+Check it: make exercise-b (python -m pytest exercises/multi_head.py)
 """
 import torch
 

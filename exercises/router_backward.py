@@ -5,7 +5,7 @@ one head:
     alpha = softmax(logits) over the sources          read = sum_i alpha_i * s_i
 
 Given grad_read = dL/dread, return dL/ds_i, dL/dw and dL/dg, the last two summed over every token (as
-autograd does). Check it: python -m pytest exercises -k router_backward
+autograd does). Check it: make exercise-e (python -m pytest exercises/router_backward.py)
 """
 import torch
 

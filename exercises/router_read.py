@@ -3,7 +3,7 @@
     alpha_i = softmax_i(w . RMSNorm_g(s_i))        read = sum_i alpha_i * s_i
 
 with RMSNorm_g(s) = g * s / sqrt(mean(s^2) + eps), the mean over the last dim (the D channels); no 1/sqrt(D).
-Check it: python -m pytest exercises -k router_read
+Check it: make exercise-a (python -m pytest exercises/router_read.py)
 """
 import torch
 

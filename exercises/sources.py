@@ -6,7 +6,7 @@ sublayer k = 1, 2, ... writes its output v_k, keep
     partial: the current block's sum of outputs so far; None while the block is empty
 A router reads e and the completed blocks, and the partial sum too when route_partial (attnres always;
 delta_block with --route-partial) and it is not None.
-Check it: python -m pytest exercises -k sources
+Check it: make exercise-c (python -m pytest exercises/sources.py)
 """
 
 

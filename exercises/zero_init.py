@@ -3,7 +3,7 @@
 A router whose pseudo-query w is zero reads uniformly: every alpha_i = 1/n. Where the sources sum to the
 stream x_{k-1}, each sublayer's LayerNorm then gets a positive multiple of the baseline's input, so a routed
 model with a baseline's weights and zero queries computes the baseline's function (docs/method.md, section 5).
-Check it: python -m pytest exercises -k zero_init
+Check it: make exercise-d (python -m pytest exercises/zero_init.py)
 """
 from dataclasses import replace
 

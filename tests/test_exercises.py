@@ -1,8 +1,9 @@
 """The exercises in exercises/: the reference answers (tests/exercise_answers.py) pass every check, each
 known mistake is named by its check, a bad file gets one sentence and the other exercises still run, the
-stubs in the repository stay unsolved, the page shows these answers and the stubs' messages, and train_mine
-trains with the student's router. Nothing here writes into exercises/: the checks get the answers as a
-namespace, or a copy of the folder."""
+pages show these answers and the checks' messages, and train_mine trains with the student's router. Nothing
+here reads or writes the student's files in exercises/ (a student who solved them runs the suite green): the
+checks get the answers as a namespace, or a copy of the folder with the answers in it. Whether the stubs
+there are unsolved is for check_pages, which runs the page's `python -m pytest exercises` in a fresh clone."""
 import inspect
 import re
 import shutil
@@ -17,7 +18,7 @@ import exercise_answers as A
 import train as T
 from conftest import ROOT, cfg_for, cli_args, train_losses
 from delta_gpt import Router
-from exercises import check, train_mine
+from exercises import check, mistakes as M, train_mine
 from plumbing import checkpoint as CK
 
 FILES = {"router_read": ["route"], "multi_head": ["route_heads"], "sources": ["write", "sources"],
@@ -25,10 +26,23 @@ FILES = {"router_read": ["route"], "multi_head": ["route_heads"], "sources": ["w
 ANSWERS = [name for names in FILES.values() for name in names]
 
 
+@pytest.fixture(autouse=True)
+def at_root(monkeypatch):
+    """train_mine runs from the repository root only (data/ and runs/ are there), as `make test` does."""
+    monkeypatch.chdir(ROOT)
+
+
 def student(file, **functions):
     """The answers as the student's file exercises/FILE.py, with `functions` in place of theirs."""
     return check.Student(types.SimpleNamespace(**{**{n: getattr(A, n) for n in ANSWERS}, **functions}),
                          f"exercises/{file}.py")
+
+
+def unsolved(file):
+    """The stub of exercises/FILE.py as a student first meets it: each function not written yet."""
+    def stub(*args, **kw):
+        raise NotImplementedError
+    return check.Student(types.SimpleNamespace(**{n: stub for n in FILES[file]}), f"exercises/{file}.py")
 
 
 def edited(name, old, new):
@@ -68,10 +82,10 @@ def test_written_out_router_and_backward_are_the_projects(n, tiny, heads):
     """The checker's route_of and backward_of, with no mistake asked for, are the project's Router and
     autograd: each named mistake is one change away from the right answer."""
     sources, w, g = check.route_inputs(n, tiny)
-    for a, b in zip(check.route_of(sources, w, g, heads), check.project_route(sources, w, g, heads)):
+    for a, b in zip(M.route(sources, w, g, heads), check.project_route(sources, w, g, heads)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     G = torch.randn(sources[0].shape, dtype=torch.float64)
-    mine, ref = check.backward_of(sources, w, g, G), check.project_backward(sources, w, g, G)
+    mine, ref = M.backward(sources, w, g, G), check.project_backward(sources, w, g, G)
     for a, b in zip([*mine[0], *mine[1:]], [*ref[0], *ref[1:]]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -81,7 +95,7 @@ def test_written_out_sources_are_the_streams():
     for residual, kw, _ in check.MODES:
         config = check.mode_config(residual, kw)
         L = config.n_sublayers // config.n_route_blocks
-        mine = check.reads_of(check.right_write, check.right_sources, e, vs, L, config.route_partial,
+        mine = check.reads_of(M.right_write, M.right_sources, e, vs, L, config.route_partial,
                               residual == "attnres")
         ref = check.project_reads(config, e, vs)
         assert [len(r) for r in mine] == [len(r) for r in ref]
@@ -144,6 +158,22 @@ MISTAKES = [  # (file, function, old, new, what the message must say)
     ("router_backward", "route_backward", "unsqueeze(-1) * keys)", "unsqueeze(-1) * s * r)",
      "dL/dw forgets the gain"),
     ("router_backward", "route_backward", "* w * s * r).sum", "* s * r).sum", "dL/dg forgets the query"),
+    # issue 42's mistakes that got only "compare each step with the formula"
+    ("router_read", "route", ".square().mean(-1, keepdim=True)", ".square().sum(-1, keepdim=True)",
+     "divides by the L2 norm"),
+    ("router_read", "route", ".square().mean(-1, keepdim=True)", ".square().mean(-2, keepdim=True)",
+     "the mean of s^2 runs over the sources"),
+    ("router_read", "route", ".square().mean(-1, keepdim=True)", ".square().mean((-2, -1), keepdim=True)",
+     "one root mean square is taken over all the sources"),
+    ("router_read", "route", "* s).sum(-2)", "* s).mean(-2)", "the read is a mean over the sources"),
+    ("multi_head", "route_heads", ".square().mean(-1, keepdim=True)", ".square().sum(-1, keepdim=True)",
+     "divides by the L2 norm"),
+    ("router_backward", "route_backward", "return list(grad_s.unbind(-2)), grad_w, grad_g",
+     "return [-t for t in grad_s.unbind(-2)], -grad_w, -grad_g", "every gradient has the wrong sign"),
+    ("router_backward", "route_backward", "* r.square() * s / s.size(-1)",
+     "* r.square() * s / s.size(-1) * -1", "the norm's term has the wrong sign"),
+    ("router_backward", "route_backward", "(grad_alpha - (alpha", "(grad_alpha + (alpha",
+     "adds its second term"),
 ]
 
 
@@ -191,6 +221,114 @@ def test_a_wrong_answer_that_no_mistake_explains_still_says_what_differs():
     assert message.startswith("exercises/router_read.py: route() gives the wrong read and alpha for 3 "
                               "sources (at most")
     assert one_sentence(message, "router_read", "route()")
+
+
+# ---------------------------------------------------------------- (b2) gradients and invariants
+
+def keys_under_no_grad(sources, w, g, eps=1e-6):
+    s = torch.stack(sources, dim=-2)
+    with torch.no_grad():  # the keys and the weights untracked: the issue's router that never learns
+        keys = g * s / (s.square().mean(-1, keepdim=True) + eps).sqrt()
+        alpha = (keys @ w).softmax(dim=-1)
+    return (alpha.unsqueeze(-1) * s).sum(-2), alpha
+
+
+def keys_divided_in_place(sources, w, g, eps=1e-6):
+    s = torch.stack(sources, dim=-2)
+    keys = g * s.div_((s.square().mean(-1, keepdim=True) + eps).sqrt())  # s.square() saved s
+    alpha = (keys @ w).softmax(dim=-1)
+    return (alpha.unsqueeze(-1) * torch.stack(sources, dim=-2)).sum(-2), alpha
+
+
+GRADIENT_CASES = [  # (what a student writes in route(), what the check says, the check's class)
+    (keys_under_no_grad, "lets no gradient reach the query w and the gain g", check.Blocked),
+    (lambda s, w, g, eps=1e-6: tuple(t.detach() for t in A.route(s, w, g, eps)),
+     "returns a read that no gradient flows through", check.Blocked),
+    (edited("route", "torch.stack(sources, dim=-2)", "torch.stack([x.detach() for x in sources], dim=-2)"),
+     "lets no gradient reach the source s_1, s_2 and s_3", check.Blocked),
+    (edited("route", "keys = g * s / (s.square()", "keys = g * s.detach() / (s.detach().square()"),
+     "passes the wrong gradient to the source s_1, s_2 and s_3", check.Wrong),
+    (keys_divided_in_place, "changes in place a tensor that autograd saved for the backward", check.Blocked),
+    (edited("route", "return read, alpha", "sources[0].mul_(2)\n    return read, alpha"),
+     "changes the source s_1 in place", check.Blocked),
+    (edited("route", "(keys @ w)", "(keys @ w.detach())"), "lets no gradient reach the query w", check.Blocked),
+]
+
+
+@pytest.mark.parametrize("route,says,kind", GRADIENT_CASES, ids=[c[1][:30] for c in GRADIENT_CASES])
+def test_a_route_that_cannot_learn_is_named(route, says, kind):
+    with pytest.raises(check.Wrong) as e:
+        check.router_read(student("router_read", route=route))
+    assert type(e.value) is kind and says in str(e.value), str(e.value)
+    assert one_sentence(str(e.value), "router_read", "route(")
+
+
+def test_route_heads_under_no_grad_is_named():
+    route_heads = edited("route_heads", "    s = torch.stack", "    torch.set_grad_enabled(False)\n    s = torch.stack")
+    try:
+        message = verdict(check.multi_head, student("multi_head", route_heads=route_heads))
+    finally:
+        torch.set_grad_enabled(True)
+    assert "route_heads() returns a read that no gradient flows through" in message
+    assert one_sentence(message, "multi_head", "route_heads(")
+
+
+def by_autograd(sources, w, g, grad_read, eps=1e-6):
+    leaves = [t.clone().requires_grad_() for t in (*sources, w, g)]
+    grads = torch.autograd.grad(A.route(leaves[:-2], *leaves[-2:], eps)[0], leaves, grad_read)
+    return list(grads[:-2]), grads[-2], grads[-1]
+
+
+def by_torch_func(sources, w, g, grad_read, eps=1e-6):
+    _, vjp = torch.func.vjp(lambda s, w, g: A.route(s, w, g, eps)[0], sources, w, g)
+    return vjp(grad_read)
+
+
+@pytest.mark.parametrize("route_backward,says", [
+    (by_autograd, "route_backward() builds its backward with autograd (torch.autograd.grad or .backward())"),
+    (by_torch_func, "torch.func builds the backward with autograd, and exercise E asks for it by hand"),
+])
+def test_a_backward_by_autograd_is_named(route_backward, says):
+    message = verdict(check.router_backward, student("router_backward", route_backward=route_backward))
+    assert says in message and one_sentence(message, "router_backward", "route_backward("), message
+
+
+def fixed_inputs(s):
+    return s[0].shape == (2, 3, 8)  # the checks' fixed inputs: a route right there, wrong elsewhere
+
+
+INVARIANTS = [  # (a route right on the fixed inputs, the invariant its check names)
+    (lambda s, w, g, eps=1e-6: A.route(s, w, g, eps) if fixed_inputs(s) else
+     (A.route(s, w, g, eps)[0], 2 * A.route(s, w, g, eps)[1]),
+     "its weights do not sum to one over the sources for each token"),
+    (lambda s, w, g, eps=1e-6: A.route(s, w, g, eps) if fixed_inputs(s) else
+     A.route(s, w + torch.arange(len(w)) * (s[0].mean() > 0), g, eps),
+     "reordering the sources does not reorder the weights alike"),
+    (lambda s, w, g, eps=1e-6: A.route(s, w, g), "scaling source"),  # eps ignored: 1e-6 hard-coded
+    (lambda s, w, g, eps=1e-6: A.route(s, w, g, eps) if w.any() else A.route(s, torch.ones_like(w), g, eps),
+     "a zero query w does not give every source the weight 1/n"),
+]
+
+
+@pytest.mark.parametrize("route,says", INVARIANTS, ids=["sum", "permutation", "scale", "zero query"])
+def test_each_broken_invariant_is_named(route, says):
+    message = verdict(check.router_read, student("router_read", route=route))
+    assert "route() breaks an invariant of the formula for random inputs (n=" in message, message
+    assert says in message and one_sentence(message, "router_read", "route("), message
+
+
+def test_the_invariants_hold_for_the_written_out_router_on_random_heads():
+    check.properties(check.Student(types.SimpleNamespace(route_heads=lambda s, w, g, h, eps=1e-6: M.route(
+        s, w, g, h, eps)), "exercises/multi_head.py"), "route_heads")
+
+
+def test_a_strict_load_names_the_missing_keys():
+    strict = edited("convert", "baseline.state_dict(), strict=False)", "baseline.state_dict())")
+    message = verdict(check.zero_init_convert, student("zero_init", convert=strict))
+    assert re.search(r"convert\(\) raised RuntimeError( at line \d+)?: load_state_dict\(\) found 8 keys that the "
+                     r"routed model has and the baseline lacks \(transformer\.h\.0\.attn_router\.query, "
+                     r"\.\.\.\); the routers' are the keys the baseline lacks, so load with strict=False\.$",
+                     message), message
 
 
 # ---------------------------------------------------------------- (c) bad files: one sentence, the rest runs
@@ -247,48 +385,87 @@ def test_a_file_that_does_not_import_is_one_sentence(tmp_path, text, says):
     assert says in str(e.value) and one_sentence(str(e.value), "router_read", "import"), str(e.value)
 
 
-@pytest.mark.slow
-def test_one_broken_file_leaves_the_other_checks_running(tmp_path):
-    """`python -m pytest exercises` on a copy of the folder, router_read.py broken and every other file the
-    answers: one check fails with its one sentence, the six others pass."""
+def solved_copy(tmp_path):
+    """A copy of exercises/ whose every file a student writes holds the answers."""
     folder = tmp_path / "exercises"
     shutil.copytree(ROOT / "exercises", folder, ignore=shutil.ignore_patterns("__pycache__"))
     for file, names in FILES.items():
         (folder / f"{file}.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
                                            f"from exercise_answers import {', '.join(names)}\n")
-    (folder / "router_read.py").write_text("def route(sources, w, g:\n")
-    command = [sys.executable, "-m", "pytest", str(folder), "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
-    r = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    return folder
+
+
+def pytest_in(folder, *args):
+    """`python -m pytest ARGS` beside the folder, as a student runs it: (exit code, what it printed)."""
+    command = [sys.executable, "-m", "pytest", *args, "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
+    r = subprocess.run(command, cwd=folder.parent, capture_output=True, text=True, timeout=300,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    said = r.stdout + r.stderr
-    assert "exercises/router_read.py does not import: SyntaxError at line 1 (" in r.stdout, said
-    assert re.search(r"^1 failed, 6 passed in ", r.stdout, re.M), said
+    return r.returncode, r.stdout + r.stderr
 
 
-# ---------------------------------------------------------------- (d) the stubs are unsolved; the page
+@pytest.mark.slow
+def test_one_broken_file_leaves_the_other_checks_running(tmp_path):
+    """`python -m pytest exercises` on a copy of the folder, router_read.py broken and every other file the
+    answers: one check fails with its one sentence, the six others pass."""
+    folder = solved_copy(tmp_path)
+    (folder / "router_read.py").write_text("def route(sources, w, g:\n")
+    code, said = pytest_in(folder, "exercises")
+    assert "exercises/router_read.py does not import: SyntaxError at line 1 (" in said, said
+    assert re.search(r"^1 failed, 6 passed in ", said, re.M), said
+
+
+@pytest.mark.slow
+def test_one_exercise_at_a_time(tmp_path):
+    """A file named, or -k with a file's name, runs that exercise's checks; a -k that matches none says
+    so in one line (exit 4, pytest's usage error) rather than running nothing."""
+    folder = solved_copy(tmp_path)
+    (folder / "multi_head.py").write_text("def route_heads(sources, w, g, heads, eps=1e-6):\n    raise "
+                                          "NotImplementedError\n")
+    assert re.search(r"^1 passed in ", pytest_in(folder, "exercises/router_read.py")[1], re.M)
+    assert re.search(r"^2 passed in ", pytest_in(folder, "exercises/sources.py")[1], re.M)
+    code, said = pytest_in(folder, "exercises", "-k", "multi_head")
+    assert code == 1 and re.search(r"^1 failed, 6 deselected in ", said, re.M), said
+    assert "exercises/multi_head.py: route_heads() is not written yet" in said
+    code, said = pytest_in(folder, "exercises", "-k", "router-read")
+    assert code == 4 and "ERROR: -k router-read matches none of the exercises' checks; name one of " \
+        "router_read, multi_head, sources, zero_init, router_backward (with underscores), or leave -k out " \
+        "to run them all." in said, said
+
+
+@pytest.mark.slow
+def test_the_checks_without_the_environment_say_so_in_one_line(tmp_path):
+    """pytest in a Python that lacks torch (a shell without the .venv): one line, no ImportError."""
+    folder = solved_copy(tmp_path)
+    hide = ("import importlib.util as u, sys, pytest; find = u.find_spec; "
+            "u.find_spec = lambda name, *a: None if name == 'torch' else find(name, *a); "
+            f"sys.exit(pytest.main([{str(folder)!r}, '-q', '-p', 'no:xdist', '-p', 'no:cacheprovider']))")
+    r = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 1 and lines[-1].startswith("error: this Python (") and "lacks delta-gpt's packages " \
+        "(torch)" in lines[-1] and "Traceback" not in r.stdout + r.stderr, lines
+
+
+# ---------------------------------------------------------------- (d) the pages
 
 @pytest.mark.parametrize("file", list(FILES))
-def test_the_stubs_in_the_repository_are_unsolved(file):
-    stub = check.load(file)
-    for name in FILES[file]:
-        fn = getattr(stub.module, name)
-        needed = [p for p in inspect.signature(fn).parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
-        with pytest.raises(NotImplementedError):
-            fn(*[None] * len(needed))
+def test_an_unwritten_function_says_so(file):
     for fn in check.CHECKS[file]:
-        assert verdict(fn, stub).endswith("() is not written yet (it raises NotImplementedError); write it "
-                                          "as its docstring says.")
+        assert verdict(fn, unsolved(file)).endswith("() is not written yet (it raises NotImplementedError); "
+                                                    "write it as its docstring says.")
 
 
-def test_the_page_shows_these_answers_and_the_checks_messages():
-    """docs/exercises.md's answers are these, each file's functions in one block; the messages it quotes,
-    the stubs' and a mistake's, are the checks'."""
-    page = (ROOT / "docs" / "exercises.md").read_text()
-    shown = re.findall(r"<summary>Answer</summary>\s*```python\n(.*?)```", page, re.S)
+def test_the_pages_show_these_answers_and_the_checks_messages():
+    """docs/answers.md's answers are these, each file's functions in one block, and docs/exercises.md
+    shows none; the messages exercises.md quotes, the unwritten functions' and a mistake's, are the
+    checks'."""
+    page, answers = [(ROOT / "docs" / name).read_text() for name in ("exercises.md", "answers.md")]
+    shown = re.findall(r"^### [A-E]\. .*?```python\n(.*?)```", answers, re.S | re.M)
     assert shown == ["\n\n".join(inspect.getsource(getattr(A, n)) for n in names) for names in FILES.values()]
+    assert "```python" not in page and "<summary>Answer</summary>" not in page
     lines = page.splitlines()
     for file in FILES:
-        assert all(verdict(fn, check.load(file)) in lines for fn in check.CHECKS[file])
+        assert all(verdict(fn, unsolved(file)) in lines for fn in check.CHECKS[file])
     over_tokens = student("router_read", route=edited("route", "softmax(dim=-1)", "softmax(dim=1)"))
     assert verdict(check.router_read, over_tokens) in lines
 
@@ -308,7 +485,10 @@ def test_train_mine_trains_with_the_students_route(tiny_data, tmp_path, monkeypa
     with pytest.raises(SystemExit) as done:
         train_mine.main(cli_args(tiny_data, tmp_path / "mine", residual="delta"))
     assert done.value.code == 0 and Router.forward is original
-    assert f"your route() routed every sublayer of this run ({len(calls):,} calls)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"your route() routed every sublayer of this run ({len(calls):,} calls), and routing " in said
+    assert re.search(r"routing (moved away from|stayed near) uniform \(mean max weight 0\.\d{3} at step 8, "
+                     r"uniform 0\.\d{3}\)", said), said
     assert sorted(set(calls)) == [1, 2, 3, 4]  # delta with 2 layers: its routers read 1, 2, 3 and 4 sources
     assert CK.load_checkpoint(tmp_path / "mine" / "last.pt")["config"]["fast_routing"] is False
     T.train(cfg_for(tiny_data, tmp_path / "plain", residual="delta", fast_routing=False))  # the project's
@@ -328,7 +508,8 @@ def test_train_mine_notes_a_wrong_route_and_trains_with_it(tiny_data, tmp_path, 
     assert notes[0].endswith("Training with it anyway.")
 
 
-def test_train_mine_with_the_unsolved_stub_says_so_in_one_line(tiny_data, tmp_path, capsys):
+def test_train_mine_with_the_unsolved_stub_says_so_in_one_line(tiny_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(check, "load", lambda name, folder=None: unsolved(name))
     with pytest.raises(SystemExit) as done:
         train_mine.main(cli_args(tiny_data, tmp_path / "mine", residual="delta"))
     assert done.value.code == 1 and not (tmp_path / "mine").exists()
@@ -341,3 +522,45 @@ def test_train_mine_refuses_a_baseline(tiny_data, tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
         train_mine.main(cli_args(tiny_data, tmp_path / "mine", residual="baseline"))
     assert done.value.code == 1 and "has no router to run your code" in capsys.readouterr().err
+
+
+def test_train_mine_refuses_a_route_that_cannot_learn(tiny_data, tmp_path, monkeypatch, capsys):
+    """The issue's router: keys and weights under torch.no_grad() pass the values, never learn; with a
+    wrong value too (the gain forgotten), the refusal still comes first."""
+    def without_gain(sources, w, g, eps=1e-6):
+        return keys_under_no_grad(sources, w, torch.ones_like(g), eps)
+
+    for route in (keys_under_no_grad, without_gain):
+        monkeypatch.setattr(check, "load", lambda name, folder=None, route=route: student(name, route=route))
+        with pytest.raises(SystemExit) as done:
+            train_mine.main(cli_args(tiny_data, tmp_path / "mine", residual="delta"))
+        err = capsys.readouterr().err.splitlines()
+        assert done.value.code == 1 and not (tmp_path / "mine").exists()
+        assert len(err) == 1 and err[0].startswith("error: exercises/router_read.py: route() lets no gradient "
+                                                   "reach the query w and the gain g"), err
+
+
+@pytest.mark.slow
+def test_train_mine_runs_as_a_script_and_asks_for_the_root(tmp_path):
+    """`python exercises/train_mine.py` finds the project's modules; run from exercises/ it says where to
+    run it, in one line."""
+    def run(*command, cwd):
+        return subprocess.run([sys.executable, *command], cwd=cwd, capture_output=True, text=True,
+                              timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    r = run("exercises/train_mine.py", "--help", cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("Train with your own router"), r.stderr
+    for command in (["train_mine.py"], ["-m", "train_mine"]):
+        r = run(*command, "--residual", "delta", cwd=ROOT / "exercises")
+        assert r.returncode == 1 and r.stderr.splitlines() == [
+            f"error: run it from the repository root ({ROOT}), where data/ and runs/ are: cd {ROOT} && python -m "
+            f"exercises.train_mine ..."], r.stderr
+
+
+def test_sources_cut_from_autograd_are_named():
+    detached = edited("write", "partial = v if partial is None else partial + v",
+                      "partial = (v if partial is None else partial + v).detach()")
+    message = verdict(check.sources_match_stream, student("sources", write=detached))
+    assert message == ("exercises/sources.py: write() and sources() give delta (per sublayer) the right "
+                       "sources, but the gradient through them does not reach v1, v2, v3, v4, v5, v6 and "
+                       "v7 as through the project's Stream: a sum is cut from autograd (.detach(), .data or "
+                       "torch.no_grad()); keep every sum in autograd."), message
