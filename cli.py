@@ -255,8 +255,16 @@ def compare_command(
                           "run directory"),
     clock: str = typer.Option(
         "wall", "--clock", help="what the equal-time column and the time plot read: wall, or cpu "
-                                "(each run's own CPU time, which other jobs on the machine do "
-                                "not inflate)"),
+                                "(each run's own CPU time, which other jobs on the machine "
+                                "inflate less)"),
+    speed_rounds: int = typer.Option(
+        10, "--speed-rounds", help="after the runs, time a training step of each variant at its "
+                                   "shape, interleaved, this many rounds (the per-minute columns); "
+                                   "0 leaves it out"),
+    reprint: bool = typer.Option(
+        False, "--reprint", help="with --study FILE: print the tables and draw the pictures from "
+                                 "the study's results (studies/results/NAME.json beside FILE), "
+                                 "training nothing"),
 ):
     """Train each variant and seed on the same batches, then tabulate val loss, the paired
     difference to the reference, routing sharpness and speed.
@@ -272,12 +280,22 @@ def compare_command(
         raise ConfigError(f"--jobs {jobs} must be at least 1 (the runs trained at a time)")
     if clock not in ("wall", "cpu"):
         raise ConfigError(f"unknown --clock {clock!r}; choose wall or cpu")
+    if speed_rounds < 0:
+        raise ConfigError(f"--speed-rounds {speed_rounds} must be 0 (no timing) or more")
+    if reprint and study is None:
+        raise ConfigError("--reprint reads a study's results: give --study FILE")
     from workbench import compare
     from plumbing.system import apply_process_settings
     plan = compare.study_of(study, residual, seeds, ctx.args)
-    apply_process_settings(compare.process_config(plan))
     out = out or Path("runs") / plan.name
-    table = compare.run_study(plan, out, overwrite, typer.echo, dry_run, jobs, clock)
+    results = study.parent / "results" / f"{plan.name}.json" if study is not None else None
+    if reprint:
+        typer.echo(compare.reprint(plan, results, out, typer.echo, clock))
+        typer.echo(f"\nwrote {out / 'compare.md'} and {out / 'compare.json'}")
+        return
+    apply_process_settings(compare.process_config(plan))
+    table = compare.run_study(plan, out, overwrite, typer.echo, dry_run, jobs, clock, speed_rounds,
+                              results)
     if table is not None:
         typer.echo(table)
         typer.echo(f"\nwrote {out / 'compare.md'} and {out / 'compare.json'}")

@@ -249,7 +249,7 @@ def check_step(step, loss, norm, stop, scaler, checkpoint, out_dir, saved_at):
         checkpoint(last)
         message = (f"stopped by signal at step {step}; checkpoint {last} written "
                    f"(continue with --resume)")
-        if stop.master:
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             tqdm.write(message)
         raise KeyboardInterrupt(message)
     if not math.isfinite(loss):

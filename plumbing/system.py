@@ -144,3 +144,15 @@ def end_torchrun_process():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def cpu_name():
+    """This machine's CPU model, as /proc/cpuinfo names it (the machine every timed figure names)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown CPU"

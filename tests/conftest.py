@@ -18,6 +18,7 @@ import cli  # noqa: E402
 import data  # noqa: E402
 import train as T  # noqa: E402
 from plumbing import rundir as RD, system  # noqa: E402
+from workbench import speed  # noqa: E402
 
 runner = CliRunner()
 
@@ -27,6 +28,12 @@ def idle_machine(monkeypatch):
     """Every test sees an idle machine: other jobs' load on the machine running the tests must not change
     what a command prints (train's "cores are busy" note) or how many threads it takes."""
     monkeypatch.setattr(system, "busy_cores", lambda seconds=0.25: 0)
+
+
+@pytest.fixture(autouse=True)
+def short_speed_rounds(monkeypatch):
+    """compare's timed speed in short rounds: the tests check what it computes and writes, never a time."""
+    monkeypatch.setattr(speed, "ROUND_S", 0.01)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """report.py's claims: routing statistics in range and uniform at zero init, the table explains its
 columns, the pictures are written with named sources, and importing report leaves matplotlib alone."""
+import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +130,40 @@ def test_the_map_picture_is_drawn_from_the_pages_table(tmp_path):
     assert len(points) >= 3 and gaps and all(len(row) == len(points) for row in gaps.values())
     draw_map.draw(points, gaps, tmp_path / "map.png")
     assert matplotlib.image.imread(tmp_path / "map.png").shape[1] > 500
+
+
+# ---------------------------------------------------------------- per minute: from the curves and a timed speed
+
+def test_length_interpolation_is_linear_in_log_steps():
+    lengths = [(8000, 1.52), (4000, 1.64)]
+    assert report.loss_at_length(4000, lengths) == 1.64 and report.loss_at_length(8000, lengths) == 1.52
+    assert report.loss_at_length(4000 * 2 ** 0.5, lengths) == pytest.approx(1.58)  # halfway in log(steps)
+    assert report.loss_at_length(2000, lengths) is None and report.loss_at_length(9000, lengths) is None
+    assert report.length_for_loss(1.58, lengths) == (pytest.approx(4000 * 2 ** 0.5), "")
+    assert report.length_for_loss(1.70, lengths) == (4000, "<") and report.length_for_loss(1.50, lengths) == (8000, ">")
+    # fewer steps than the straight chord (6000): the reading that does not flatter the faster learner
+    assert report.length_for_loss(1.58, lengths)[0] < 6000
+
+
+def test_break_even_and_equal_compute_by_hand():
+    lengths = {1: [(4000, 1.64), (8000, 1.52)], 2: [(4000, 1.60), (8000, 1.50)]}
+    runs = {1: dict(variant="v", steps=4000, val_loss=1.58), 2: dict(variant="v", steps=4000, val_loss=1.49)}
+    got = report.per_minute(runs, lengths, 0.8)
+    # seed 1: the reference needs 4000 * sqrt(2) steps for 1.58, so level at 4000 / 5657 = 0.707x; seed 2 beats
+    # the longest reference run: level only below 4000 / 8000
+    assert got["break_even"][1] == ("", pytest.approx(2 ** -0.5)) and got["break_even"][2] == ("<", 0.5)
+    # at 0.8x the reference gets 5000 steps: 1.64 - 0.12 * log2(1.25) and 1.60 - 0.10 * log2(1.25)
+    diffs = [1.58 - (1.64 - 0.12 * math.log2(1.25)), 1.49 - (1.60 - 0.10 * math.log2(1.25))]
+    assert got["equal_compute_diff"] == pytest.approx(sum(diffs) / 2)
+    assert got["equal_compute_se"] == pytest.approx(abs(diffs[0] - diffs[1]) / 2)
+    assert (got["equal_compute_wins"], got["equal_compute_paired"], got["equal_compute_needs"]) == (2, 2, None)
+    assert report.break_even_text(got["break_even"]) == "<0.50-0.71x"
+    slow = report.per_minute(runs, lengths, 0.4)  # 10,000 reference steps: longer than any run
+    assert slow["equal_compute_diff"] is None and slow["equal_compute_needs"] == 10000
+    assert report.compute_text(slow) == "needs 10,000 ref steps"
+
+
+def test_timed_speed_ratio_best_and_median():
+    mine, ref = [0.30, 0.25, 0.26], [0.20, 0.21, 0.22]
+    best, median = report.speed_ratio(mine, ref)
+    assert best == pytest.approx(0.20 / 0.25) and median == pytest.approx(statistics.median([0.2 / 0.3, 0.84, 0.22 / 0.26]))

@@ -13,7 +13,7 @@ import pytest
 import train as T
 from conftest import ok, refused, run
 from plumbing import checkpoint as CK, rundir as RD
-from workbench import report as R, study as S
+from workbench import report as R, speed as SP, study as S
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, max_iters=4, warmup_iters=2,
             eval_interval=2, eval_iters=2, log_interval=1, ckpt_interval=2, progress=False, dataset="tiny")
@@ -186,7 +186,7 @@ def test_paired_statistics_by_hand():
     assert new["equal_time_diff"] == pytest.approx(sum(halfway) / 3)
     assert new["max_weight"] == 0.5 and base["max_weight"] is None
     table = R.study_table(rows, "base")
-    assert "| new | 3 | 2.0667 ± 0.1756 | -0.0333 ± 0.0441 | 2/3 |" in table and "2.00x" in table
+    assert "| new | 3 | 2.0667 ± 0.1756 | -0.0333 ± 0.0441 | 2/3 |" in table
     assert R.paired({1: 1.0}, {1: 1.5, 2: 2.0}) == (-0.5, None, 1, 1)  # one seed: no standard error
     sweep = [dict(variant=v, sweep=lr, val_loss=loss) for v, losses in (("a", (3, 2, 1)), ("b", (3, 1, 2)))
              for lr, loss in zip((1e-3, 3e-3, 1e-2), losses)]
@@ -230,16 +230,38 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
         assert (pair["equal_time_diff"], pair["equal_time_se"]) == (row["equal_time_diff"], row["equal_time_se"])
         assert back["diff"] == pytest.approx(-row["diff"]) and back["wins"] == 2 - row["wins"]
         assert back["equal_time_diff"] == pytest.approx(-row["equal_time_diff"])
-        assert (f"| {lr} | delta - baseline | {row['diff']:+.4f} ± {row['diff_se']:.4f} | {row['wins']}/2 | "
-                f"{row['equal_time_diff']:+.4f} ± {row['equal_time_se']:.4f} |") in table
+        line = next(l for l in table.splitlines() if l.startswith(f"| {lr} | delta - baseline |"))
+        assert line.startswith(f"| {lr} | delta - baseline | {row['diff']:+.4f} ± {row['diff_se']:.4f} | "
+                               f"{row['wins']}/2 | {row['speed_median']:.3f}x ({row['speed_best']:.3f}) | ")
+        assert line.endswith(f"| {row['equal_time_diff']:+.4f} ± {row['equal_time_se']:.4f} |")
+        # the timed speed: every variant at every rate, the pair's ratio the row's
+        times = result["speed"]["times"]
+        assert set(times) == {f"{v} learning_rate={lr}" for v in ("baseline", "delta") for lr in (1e-3, 3e-3)}
+        assert len(times[f"delta learning_rate={lr}"]) == result["speed"]["rounds"] == 10
+        assert (pair["speed_median"], pair["break_even"]) == (row["speed_median"], row["break_even"])
+        # one baseline length: the break-even speed is a bound, and equal compute needs a run of another length
+        assert all(bound in "<>" and bound for bound, _ in row["break_even"].values())
+        assert row["equal_compute_diff"] is None and row["equal_compute_needs"] > 0
     assert (out / "compare.md").read_text().split("\n\n")[0] in table and (out / "loss.png").exists()
     monkeypatch.setattr(T, "train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
     again = ok("compare", "--study", path, "--out", out)
     assert "8 finished, 0 to train" in again and again.count("reusing the finished run") == 8
     # --clock cpu reads equal time on each run's own CPU time, which train records beside its wall time
-    cpu = ok("compare", "--study", path, "--out", out, "--clock", "cpu")
-    assert "vs ref, equal CPU time" in cpu and "total CPU time of each pair" in (out / "compare.md").read_text()
-    assert "| learning_rate | pair | val loss difference | beat | equal CPU time |" in cpu
+    cpu = ok("compare", "--study", path, "--out", out, "--clock", "cpu", "--speed-rounds", 2)
+    assert "vs ref, equal CPU time (unannealed)" in cpu and "own CPU clocks" in (out / "compare.md").read_text()
+    assert ("| learning_rate | pair | val loss difference | beat | speed (timed) | break-even | equal compute | "
+            "equal CPU time (unannealed) |") in cpu
+    # the results beside the study file: --reprint prints the same tables from them, training nothing
+    results = json.loads((tmp_path / "results" / "tiny.json").read_text())
+    assert results["speed"]["rounds"] == 2 and "out_dir" not in results["runs"][0]
+    again = ok("compare", "--study", path, "--out", tmp_path / "again", "--clock", "cpu", "--reprint")
+    assert [l for l in cpu.splitlines() if l.startswith("|")] == [l for l in again.splitlines() if l.startswith("|")]
+    assert (tmp_path / "again" / "loss.png").exists() and not list((tmp_path / "again").glob("*-s1"))
+    refused("--reprint reads a study's results: give --study FILE", "compare", "--residual", "baseline",
+            "--reprint")
+    other = study_file(tmp_path / "tiny2.toml", tiny_data, sweep={"learning_rate": [1e-3]})
+    (tmp_path / "results" / "tiny2.json").write_text((tmp_path / "results" / "tiny.json").read_text())
+    refused("holds the results of another definition of 'tiny'", "compare", "--study", other, "--reprint")
     summaries = json.loads((out / "compare.json").read_text())["runs"]
     for r in summaries:
         evals = [m for m in RD.read_metrics(r["out_dir"]) if m["kind"] == "eval"]
@@ -359,3 +381,24 @@ def test_a_run_that_fails_side_by_side_is_named_starts_no_other_and_no_table_is_
     assert "error: " in (out / "delta-s1" / "train.log").read_text() and "Traceback" not in (out / "delta-s1" / "train.log").read_text()
     started = sum((out / f"{v}-s{s}").exists() for v in ("baseline", "delta") for s in (1, 2, 3))
     assert started < 6  # no new run started after the failure
+
+
+@pytest.mark.slow
+def test_a_variant_that_cannot_be_timed_is_said_in_one_line_and_the_study_still_trains(tiny_data, tmp_path, monkeypatch):
+    """As where no C++ compiler works for --compile: the timing says so in one line, the runs train and the
+    table is printed without the timed columns."""
+    path = study_file(tmp_path / "untimed.toml", tiny_data, seeds=[1])
+    setup = SP.setup
+
+    def no_compiler(model_config, cfg, seed=0):
+        if model_config["residual"] == "delta":
+            raise RuntimeError("no working C++ compiler\nmore lines of a compiler's error")
+        return setup(model_config, cfg, seed)
+
+    monkeypatch.setattr(SP, "setup", no_compiler)
+    out = ok("compare", "--study", path, "--out", tmp_path / "out")
+    said = [l for l in out.splitlines() if l.startswith("speed: ")]
+    assert said == ["speed: delta cannot be timed on this machine (RuntimeError: no working C++ compiler); the "
+                    "table's timed speed, break-even and equal-compute columns are left out"]
+    result = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert result["speed"] is None and len(result["runs"]) == 2 and "| delta | 1 |" in out

@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
+
 import data
 from delta_gpt import GPT, RESIDUALS
 from errors import ConfigError, DeltaGPTError
@@ -23,8 +25,10 @@ import train as T
 from plumbing import config as O
 from plumbing.checkpoint import load_checkpoint
 from plumbing.rundir import StopFlag, check_same_data, read_metrics
+from plumbing import system as SY
 from plumbing.system import apply_process_settings, pick_device
 from workbench import report as R
+from workbench import speed as SP
 from workbench import study as S
 
 
@@ -155,10 +159,8 @@ def run_label(r):
 
 def run_summary(out_dir, seed, clock="wall"):
     """What the table needs of one finished run, read from its metrics.jsonl and config.json: the last
-    evaluation's val loss and routing sharpness, the median training tokens/s, and the curve
-    [(step, val loss, elapsed seconds)], the seconds on `clock`: wall time, or the training process's CPU time
-    (runs trained before it was recorded have none)."""
-    when = "elapsed" if clock == "wall" else "cpu_s"
+    evaluation's val loss and routing sharpness, the median training tokens/s, every evaluation (step, train
+    and val loss, wall and CPU seconds), and on_clock's curve and total time."""
     rows = read_metrics(out_dir)
     evals = [r for r in rows if r["kind"] == "eval"]
     if not evals or not (Path(out_dir) / "config.json").exists():
@@ -168,12 +170,50 @@ def run_summary(out_dir, seed, clock="wall"):
     speeds = sorted(r["tokens_per_s"] for r in rows if r["kind"] == "train")
     routing = {k: v for k, v in (evals[-1].get("routing") or {}).items()
                if not (isinstance(v, float) and math.isnan(v))}  # NaN: no sublayer with more than one source
-    return dict(seed=seed, val_loss=evals[-1]["val_loss"], tokens_per_s=speeds[len(speeds) // 2] if speeds else None,
-                max_weight=routing.get("mean_max_weight"), deep_max_weight=routing.get("deep_max_weight"),
-                entropy=routing.get("mean_entropy"), deep_entropy=routing.get("deep_entropy"),
-                steps=evals[-1]["step"], elapsed=evals[-1].get(when),
-                params=json.loads((Path(out_dir) / "config.json").read_text())["params"],
-                curve=[(r["step"], r["val_loss"], r.get(when)) for r in evals])
+    return on_clock(dict(
+        seed=seed, val_loss=evals[-1]["val_loss"], tokens_per_s=speeds[len(speeds) // 2] if speeds else None,
+        max_weight=routing.get("mean_max_weight"), deep_max_weight=routing.get("deep_max_weight"),
+        entropy=routing.get("mean_entropy"), deep_entropy=routing.get("deep_entropy"), steps=evals[-1]["step"],
+        params=json.loads((Path(out_dir) / "config.json").read_text())["params"],
+        evals=[{k: r.get(k) for k in ("step", "train_loss", "val_loss", "elapsed", "cpu_s")} for r in evals]), clock)
+
+
+def on_clock(summary, clock="wall"):
+    """The summary with its curve [(step, val loss, seconds)] and total time on `clock`: wall time, or the
+    training process's CPU time (runs trained before it was recorded have none)."""
+    when = "elapsed" if clock == "wall" else "cpu_s"
+    return dict(summary, elapsed=summary["evals"][-1][when],
+                curve=[(e["step"], e["val_loss"], e[when]) for e in summary["evals"]])
+
+
+def families(study):
+    """{variant: the variants that train as it does but for their schedule's length, itself included}."""
+    def but_length(options):
+        return {k: v for k, v in options.items() if k not in ("max_iters", "lr_decay_iters")}
+    return {a: [b for b, o in study.variants.items() if but_length(o) == but_length(study.variants[a])]
+            for a in study.variants}
+
+
+def timed_speeds(study, runs, jobs, rounds, echo=print):
+    """compare.json's speed: every variant's seconds per training step at its shape (workbench/speed.py), one
+    seed's run each, with the threads each run trained with; None where it cannot be timed (said in a line)."""
+    shapes = {}
+    for r in runs:
+        name = R.speed_name(r.variant, study.sweep[0] if study.sweep else None, r.value)
+        if name not in shapes:
+            recorded = json.loads((Path(r.cfg.out_dir) / "config.json").read_text())["model_config"]
+            shapes[name] = (recorded, r.cfg)
+    cfg = runs[0].cfg
+    threads = cfg.threads or (max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else torch.get_num_threads())
+    echo(f"timing a training step of each of the {len(shapes)} variants at the study's shape, interleaved "
+         f"({rounds} rounds, {threads} thread{'s' if threads > 1 else ''})")
+    try:
+        times = SP.measure(shapes, rounds, threads)
+    except DeltaGPTError as e:
+        echo(f"speed: {e}; the table's timed speed, break-even and equal-compute columns are left out")
+        return None
+    return dict(rounds=rounds, threads=threads, cpu=SY.cpu_name(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d"), times=times)
 
 
 def study_of(study_file=None, residual=None, seeds=None, argv=()):
@@ -197,11 +237,14 @@ def process_config(study):
     return T.make_config(study.preset, **{k: v for k, v in study.train.items() if k in O.PROCESS_FIELDS})
 
 
-def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, clock="wall"):
-    """Train (or reuse, or resume) every run of the study, `jobs` at a time, then write OUT/compare.json (every
-    run's numbers), compare.md (the table) and the pictures. Every setting, every existing run and the folder
-    are checked and the plan printed before anything trains. Returns the table (Markdown), or None for a dry
-    run. clock: what "equal time" reads, wall time or each run's CPU time."""
+def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, clock="wall", speed_rounds=0,
+              results=None):
+    """Train (or reuse, or resume) every run of the study, `jobs` at a time, time a training step of each
+    variant (speed_rounds rounds; 0: no timing), then write OUT/compare.json (every run's numbers and the
+    timed speeds), compare.md (the table), the pictures and, given a path, the same JSON as the study's
+    results (which reprint reads). Every setting, every existing run and the folder are checked and the plan
+    printed before anything trains. Returns the table (Markdown), or None for a dry run. clock: what "equal
+    time" reads, wall time or each run's CPU time."""
     out = Path(out)
     runs = S.cross(study, out)
     S.claim_folder(study, out, overwrite, write=False)
@@ -225,19 +268,53 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, cl
         raise
     summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed, clock))
                  for r in runs]
+    speed = timed_speeds(study, runs, jobs, speed_rounds, echo) if speed_rounds else None
+    result = dict(name=study.name, study=study.definition(), speed=speed,
+                  runs=[{k: v for k, v in s.items() if k not in ("curve", "elapsed")} for s in summaries])
+    if results is not None:  # the runs' folders are this machine's: the results in the repository do without
+        R.save_json(dict(result, runs=[{k: v for k, v in s.items() if k != "out_dir"} for s in result["runs"]]),
+                    results)
+        echo(f"wrote {results} (the study's results: `compare --study FILE --reprint` prints its tables from it)")
+    return tabulate(study, result, out, echo, clock, runs[0].cfg)
+
+
+def reprint(study, results, out, echo=print, clock="wall"):
+    """The study's tables and pictures from its results file (run_study's), training nothing: refused when the
+    file is another study's or another definition's."""
+    try:
+        result = json.loads(Path(results).read_text())
+    except (OSError, ValueError) as e:
+        raise S.StudyError(f"cannot read the results {results} ({type(e).__name__}); run the study's compare "
+                           f"first, which writes them") from None
+    def definition(d):  # --threads and other bookkeeping make no other study
+        d = json.loads(json.dumps(d or {}, default=str))
+        return dict(d, train={k: v for k, v in (d.get("train") or {}).items() if k not in O.BOOKKEEPING_FIELDS})
+    diff = S.differences(definition(result.get("study")), definition(study.definition()))
+    if result.get("name") != study.name or diff:
+        said = "; ".join(f"{k} ({json.dumps(a)} there, {json.dumps(b)} here)" for k, a, b in diff[:3])
+        raise S.StudyError(f"{results} holds the results of another definition of {result.get('name')!r}"
+                           f"{f' (it differs in {said})' if said else ''}; run the study's compare again")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return tabulate(study, result, out, echo, clock, S.cross(study, out)[0].cfg)
+
+
+def tabulate(study, result, out, echo, clock, cfg):
+    """compare.json, compare.md and the pictures in out from a study's result (its runs' summaries and timed
+    speeds); returns the table."""
+    summaries = [on_clock(s, clock) for s in result["runs"]]
     option = study.sweep[0] if study.sweep else None
-    rows = R.study_rows(summaries, study.reference, option)
+    times = (result.get("speed") or {}).get("times")
+    rows = R.study_rows(summaries, study.reference, option, families(study), times)
     table = R.study_table(rows, study.reference, option, clock)
-    pairs = R.pair_rows(summaries, study.pairs)
+    pairs = R.pair_rows(summaries, study.pairs, option, families(study), times)
     if pairs:  # a pair's difference, seed by seed: a minus b on the same batches (the reference's, for both)
         table += "\n\n" + R.pair_table(pairs, option, clock)
-    R.save_json(dict(name=study.name, study=study.definition(), rows=rows, pairs=pairs, runs=summaries),
-                out / "compare.json")
+    out = Path(out)
+    R.save_json(dict(result, rows=rows, pairs=pairs, runs=summaries), out / "compare.json")
     best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)],
                         tuning=option not in O.ARCH_FIELDS)
     notes = (best, R.study_notes(study.reference, pairs=bool(pairs), clock=clock))
     (out / "compare.md").write_text(table + "".join(f"\n\n{t}" for t in notes if t) + "\n")
-    cfg = runs[0].cfg
     shape = f"width {cfg.n_embd}" + (f", {cfg.n_layer} layers" if option != "n_layer" else "")
     title = (f"{study.name}: preset {cfg.preset}, {cfg.dataset}, {shape}, {cfg.max_iters} steps, "
              f"seeds {', '.join(map(str, study.seeds))}")

@@ -120,6 +120,7 @@ def draw_routing(reports, path):
 
 
 def save_json(obj, path):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(jsonable(obj), f, indent=2, default=float, allow_nan=False)
         f.write("\n")
@@ -270,33 +271,132 @@ def equal_time(runs, refs):
                   {k: loss_at(refs[k]["curve"], t) for k, t in at.items()})
 
 
-def study_rows(summaries, reference, option=None):
+# ------------------------------------------------------------------------------------------------
+# per minute, from the curves and a measured speed ratio (workbench/speed.py): readings that a busy machine
+# cannot move, since the losses reproduce to the digit and the ratio is timed with the shapes interleaved
+
+def loss_at_length(steps, lengths):
+    """The final val loss a run of `steps` steps on its own, fully annealed schedule would reach, from runs of
+    other lengths [(steps, final loss), ...]: a run of that length's own loss, else linear in log(steps)
+    between the two lengths that bracket it (lower than the straight chord: the reading that does not
+    flatter a run compared against it); None outside them."""
+    points = sorted(lengths)
+    for (s0, l0), (s1, l1) in zip(points, points[1:]):
+        if s0 <= steps <= s1:
+            return l0 + (l1 - l0) * math.log(steps / s0) / math.log(s1 / s0)
+    return next((loss for s, loss in points if s == steps), None)
+
+
+def length_for_loss(loss, lengths):
+    """(steps, bound): the training length whose final loss would be `loss`, the inverse of loss_at_length;
+    bound '' inside the lengths, '>' past the longest (steps is then the longest), '<' before the shortest."""
+    points = sorted(lengths)
+    if loss > points[0][1]:
+        return points[0][0], "<"
+    for (s0, l0), (s1, l1) in zip(points, points[1:]):
+        if l1 <= loss <= l0:
+            return s0 * (s1 / s0) ** ((l0 - loss) / max(l0 - l1, 1e-12)), ""
+    return points[-1][0], ">"
+
+
+def per_minute(runs, lengths, speed):
+    """runs: {seed: run summary} of a variant; lengths: {seed: [(steps, final val loss)]} of its reference's
+    runs of every schedule length; speed: the variant's measured speed ratio to the reference, or None.
+    Returns the break-even speed per seed (the ratio at which it would be level at equal compute, one over the
+    step multiplier: from the losses alone; with '<' or '>' where the lengths do not reach) and the paired
+    difference at equal compute (the reference given steps / speed steps on its own schedule)."""
+    break_even, mine, refs, short = {}, {}, {}, []
+    for seed, run in runs.items():
+        if not lengths.get(seed):
+            continue
+        needed, bound = length_for_loss(run["val_loss"], lengths[seed])
+        break_even[seed] = ({"<": ">", ">": "<"}.get(bound, ""), run["steps"] / needed)
+        at = loss_at_length(run["steps"] / speed, lengths[seed]) if speed else None
+        if at is None and speed:
+            short.append(round(run["steps"] / speed))
+        elif at is not None:
+            mine[seed], refs[seed] = run["val_loss"], at
+    diff, se, wins, n = paired(mine, refs)
+    return dict(break_even=break_even, equal_compute_diff=diff, equal_compute_se=se, equal_compute_wins=wins,
+                equal_compute_paired=n, equal_compute_needs=max(short) if short else None)
+
+
+def break_even_text(per_seed):
+    """The break-even speeds of the seeds, as 'min-max' (a bound where the lengths did not reach)."""
+    if not per_seed:
+        return "-"
+    values = sorted(per_seed.values(), key=lambda bx: bx[1])
+    (b0, x0), (b1, x1) = values[0], values[-1]
+    return f"{b0}{x0:.2f}x" if len(values) == 1 or f"{b0}{x0:.2f}" == f"{b1}{x1:.2f}" else \
+        f"{b0}{x0:.2f}-{b1}{x1:.2f}x"
+
+
+def compute_text(r):
+    if r.get("equal_compute_diff") is not None:
+        return signed(r["equal_compute_diff"], r["equal_compute_se"])
+    return f"needs {r['equal_compute_needs']:,} ref steps" if r.get("equal_compute_needs") else "-"
+
+
+def speed_name(variant, option=None, value=None):
+    """A variant's name in compare.json's measured speeds: with a sweep, at one value of it."""
+    return variant if option is None else f"{variant} {option}={value}"
+
+
+def readings(runs, by_variant, b, family, option, value, speed):
+    """The per-minute readings of runs (a variant's, {seed: summary}) against variant b: the measured speed
+    ratio (best, median) and per_minute's, where b's family (b and the runs like it but for their length) has
+    runs; {} for b's family itself."""
+    a = next(iter(runs.values()))["variant"] if runs else None
+    if not runs or a in family:
+        return {}
+    lengths = {}
+    for name in family:
+        for seed, s in by_variant.get(name, {}).items():
+            lengths.setdefault(seed, []).append((s["steps"], s["val_loss"]))
+    best = median = None
+    times = speed or {}
+    if speed_name(a, option, value) in times and speed_name(b, option, value) in times:
+        best, median = speed_ratio(times[speed_name(a, option, value)], times[speed_name(b, option, value)])
+    return dict(speed_best=best, speed_median=median, **per_minute(runs, lengths, median))
+
+
+def speed_ratio(mine, ref):
+    """(best, median) speed ratio of a shape to a reference from their per-round seconds per step."""
+    return min(ref) / min(mine), statistics.median(r / m for r, m in zip(ref, mine))
+
+
+def study_rows(summaries, reference, option=None, families=None, speed=None):
     """summaries: one dict per run (variant, sweep, seed, val_loss, tokens_per_s, routing stats, elapsed,
     curve) -> a row per sweep value and variant: compare_rows' figures, the paired difference to the
-    reference (mean, standard error, seeds beaten), sharpness, speed relative to the reference, and the
-    paired difference at equal wall time: per seed both curves read at the shorter run's total time."""
+    reference (mean, standard error, seeds beaten), sharpness, speed relative to the reference from the runs'
+    clocks, and the paired difference at equal time: per seed both curves read at the shorter run's total
+    time. With families ({variant: the variants like it but for their schedule length}) and speed ({speed
+    name: per-round seconds per step}, workbench/speed.py): the per-minute readings (readings())."""
     rows = []
     for value in dict.fromkeys(s["sweep"] for s in summaries):
-        group = {}
+        group, by_variant = {}, {}
         for s in summaries:
             if s["sweep"] == value:
                 group.setdefault(s["variant"], []).append(s)
-        ref = {s["seed"]: s for s in group[reference]}
+                by_variant.setdefault(s["variant"], {})[s["seed"]] = s
+        ref = by_variant[reference]
         for row in compare_rows(group, reference):
             variant = row.pop("mode")
-            runs, other = {s["seed"]: s for s in group[variant]}, variant != reference
+            runs, other = by_variant[variant], variant != reference
             diff, se, wins, n = paired({k: s["val_loss"] for k, s in runs.items()},
                                        {k: s["val_loss"] for k, s in ref.items()})
             t_diff, t_se, _, _ = equal_time(runs, ref)
-            speed, ref_speed = (mean_std([s["tokens_per_s"] for s in g.values()])[0] for g in (runs, ref))
+            speed_, ref_speed = (mean_std([s["tokens_per_s"] for s in g.values()])[0] for g in (runs, ref))
             rows.append(dict(row, variant=variant, sweep=value, option=option,
                              diff=diff if other else None, diff_se=se if other else None, wins=wins, paired=n,
                              deep_max_weight=mean_std([s.get("deep_max_weight") for s in runs.values()])[0],
                              entropy=mean_std([s.get("entropy") for s in runs.values()])[0],
                              deep_entropy=mean_std([s.get("deep_entropy") for s in runs.values()])[0],
-                             speed_ratio=speed / ref_speed if speed and ref_speed else None,
+                             speed_ratio=speed_ / ref_speed if speed_ and ref_speed else None,
                              equal_time_diff=t_diff if other else None, equal_time_se=t_se if other else None,
-                             elapsed=mean_std([s.get("elapsed") for s in runs.values()])[0]))
+                             elapsed=mean_std([s.get("elapsed") for s in runs.values()])[0],
+                             **(readings(runs, by_variant, reference, families.get(reference, [reference]),
+                                         option, value, speed) if families is not None else {})))
     return rows
 
 
@@ -304,24 +404,34 @@ def signed(x, se, spec=".4f"):
     return "-" if x is None else f"{x:+{spec}} ± {fmt(se, spec)}"
 
 
+def speed_text(r):
+    return "-" if r.get("speed_median") is None else f"{r['speed_median']:.3f}x ({r['speed_best']:.3f})"
+
+
+def time_head(clock):
+    return "equal time (wall, unannealed)" if clock == "wall" else "equal CPU time (unannealed)"
+
+
 def study_table(rows, reference, option=None, clock="wall"):
     """The study's Markdown table: a row per sweep value and variant."""
     head = ([option] if option else []) + [
         "variant", "seeds", "val loss", f"vs {reference}", "beat", "perplexity", "max weight", "deep max",
-        "entropy", "tokens/s", "speed", "vs ref, equal time" if clock == "wall" else "vs ref, equal CPU time", "params"]
+        "entropy", "tokens/s", "speed (timed)", "break-even", "vs ref, equal compute",
+        f"vs ref, {time_head(clock)}", "params"]
     body = [([str(r["sweep"])] if option else []) + [
         r["variant"], r["seeds"], f"{fmt(r['val_loss'], '.4f')} ± {fmt(r['val_loss_std'], '.4f')}",
         signed(r["diff"], r["diff_se"]), "-" if r["variant"] == reference else f"{r['wins']}/{r['paired']}",
         "-" if r["ppl_change_pct"] is None else f"{r['ppl_change_pct']:+.2f}%",
         fmt(r["max_weight"]), fmt(r["deep_max_weight"]), fmt(r["entropy"]), fmt(r["tokens_per_s"], ",.0f"),
-        "-" if r["speed_ratio"] is None else f"{r['speed_ratio']:.2f}x",
+        speed_text(r), break_even_text(r.get("break_even")), compute_text(r),
         signed(r["equal_time_diff"], r["equal_time_se"]), f"{r['params']:,}"] for r in rows]
     return markdown(head, body)
 
 
-def pair_rows(summaries, pairs):
+def pair_rows(summaries, pairs, option=None, families=None, speed=None):
     """The paired difference of each pair [a, b] of variants (a minus b, seed by seed) at every sweep value,
-    at the end and at equal time."""
+    at the end and at equal time, and with families and speed (as study_rows) a's per-minute readings
+    against b."""
     rows = []
     for value in dict.fromkeys(s["sweep"] for s in summaries):
         runs = {}
@@ -334,34 +444,47 @@ def pair_rows(summaries, pairs):
                                        {k: s["val_loss"] for k, s in rb.items()})
             t_diff, t_se, _, _ = equal_time(ra, rb)
             rows.append(dict(sweep=value, a=a, b=b, diff=diff, diff_se=se, wins=wins, paired=n,
-                             equal_time_diff=t_diff, equal_time_se=t_se))
+                             equal_time_diff=t_diff, equal_time_se=t_se,
+                             **(readings(ra, runs, b, families.get(b, [b]), option, value, speed)
+                                if families is not None else {})))
     return rows
 
 
 def pair_table(rows, option=None, clock="wall"):
     """The pairs' Markdown table: a row per sweep value and pair."""
-    head = ([option] if option else []) + ["pair", "val loss difference", "beat",
-                                           "equal time" if clock == "wall" else "equal CPU time"]
+    head = ([option] if option else []) + ["pair", "val loss difference", "beat", "speed (timed)",
+                                           "break-even", "equal compute", time_head(clock)]
     return markdown(head, [([str(r["sweep"])] if option else [])
                            + [f"{r['a']} - {r['b']}", signed(r["diff"], r["diff_se"]), f"{r['wins']}/{r['paired']}",
+                              speed_text(r), break_even_text(r.get("break_even")), compute_text(r),
                               signed(r["equal_time_diff"], r["equal_time_se"])] for r in rows])
 
 
 def study_notes(reference, pairs=False, clock="wall"):
     """What the study table's columns mean (written under it in compare.md), and the pairs' table's."""
+    clock_word = "wall" if clock == "wall" else "CPU"
     return (f"val loss: the last evaluation's, mean ± std over seeds. vs {reference}: the mean over seeds of each "
             f"seed's difference to {reference} (the same batches), ± its standard error (std of the differences "
             f"/ sqrt(n)); a difference within about two standard errors is no measurable difference. beat: seeds "
             f"with a lower loss than {reference}. perplexity: the change of the mean perplexity. max weight, deep "
             f"max: mean largest routing weight over routed sublayers with more than one source, and over the "
             f"deeper half; entropy: normalised routing entropy H / log n (1 is uniform); all at the last "
-            f"evaluation. tokens/s: median training speed; speed: relative to {reference}. vs ref, equal "
-            f"{'time' if clock == 'wall' else 'CPU time'}: the paired difference of the val loss curves (interpolated "
-            f"between evaluations) read at the shorter run's total {'wall' if clock == 'wall' else 'CPU'} time of "
-            f"each pair."
+            f"evaluation. tokens/s: median training speed on the runs' own clocks. speed (timed): the variant's "
+            f"speed relative to {reference}, a whole training step at the study's shape timed with the shapes "
+            f"interleaved in one process (compare.json's speed): the median over rounds (the best rounds' ratio). "
+            f"break-even: the speed ratio at which the variant would be level with {reference} at equal compute, "
+            f"one over the steps {reference} needs on its own schedule to reach the variant's loss, per seed "
+            f"(min-max), read from the final losses of {reference}'s runs of different lengths, linear in "
+            f"log(steps) between the two that bracket it (> or < where they do not reach): from the losses alone. "
+            f"vs ref, equal compute: the paired difference to {reference} given the variant's steps over the "
+            f"timed speed on its own, fully annealed schedule, read from the same lengths (or 'needs N ref steps' "
+            f"where no run is that long). vs ref, {time_head(clock)}: a secondary reading on the runs' own "
+            f"{clock_word} clocks (another job moves them): the val loss curves (interpolated between evaluations) "
+            f"read at the shorter run's total time, the slower run's mid-way through its schedule, which biases "
+            f"against it."
             + (" pair a - b: the mean over seeds of a's val loss minus b's (the same batches), ± its standard "
-               "error; beat: seeds where a is lower; equal time: the same difference, both curves read at the "
-               "shorter run's total time as in the column vs ref." if pairs else ""))
+               "error; beat: seeds where a is lower; speed, break-even and equal compute: a's against b's runs "
+               "of every length, as in the rows; equal time: as in the column vs ref." if pairs else ""))
 
 
 def draw_study(rows, summaries, reference, option, out, title=None, clock="wall"):

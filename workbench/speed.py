@@ -1,0 +1,96 @@
+"""The speed ratio of each routed variant of a study to its reference, measured so that a busy machine
+cannot move it: at the study's own shape (the model each run trained, its batch, fast path, precision and
+compile setting), for a whole training step (forward, backward, gradient clipping and the AdamW step), the
+shapes timed in turn inside every round of one process, in that process's CPU time, so that a neighbour slows
+them alike. `compare --study` measures it after its runs and keeps it in compare.json; docs/speed.md shows
+how far another job moves it.
+
+    ratio = (the reference's seconds per step) / (the variant's): 0.82 means the variant trains at 0.82x
+    the reference's speed. best: the ratio of the best rounds; median: the median over rounds of the two
+    shapes' ratio in that round (the steadier figure on a shared machine).
+"""
+import json
+import math
+import time
+
+import torch
+
+from delta_gpt import GPT, GPTConfig
+from errors import DeltaGPTError
+from plumbing.system import precision
+
+ROUND_S = 0.5  # seconds of the first shape's steps in each round (the tests shorten it)
+
+
+def shape_key(model_config, cfg):
+    """What decides a run's time per step: its model (dropout included) and the step's settings."""
+    step = dict(batch_size=cfg.batch_size, accum=cfg.gradient_accumulation_steps, dtype=cfg.dtype,
+                compile=bool(cfg.compile), grad_clip=cfg.grad_clip)
+    return json.dumps(dict(model_config, **step), sort_keys=True)
+
+
+def train_step(model, optimizer, idx, ctx, accum, grad_clip):
+    """One training step as train.py takes it, on the tokens idx (their own targets)."""
+    for _ in range(accum):
+        with ctx:
+            _, loss = model(idx, idx)
+        (loss / accum).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def setup(model_config, cfg, seed=0):
+    """(step function) of one shape: its model as the run built it, AdamW as the run's, fixed random tokens."""
+    torch.manual_seed(seed)
+    config = GPTConfig(**model_config)
+    raw = GPT(config)
+    optimizer = raw.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu",
+                                         route_lr_mult=cfg.route_lr_mult)
+    model = torch.compile(raw) if cfg.compile else raw
+    _, ctx, _ = precision(cfg, torch.device("cpu"), master=False)
+    idx = torch.randint(0, config.vocab_size, (cfg.batch_size, config.block_size))
+    return lambda: train_step(model, optimizer, idx, ctx, cfg.gradient_accumulation_steps, cfg.grad_clip)
+
+
+def step_times(steps, rounds, round_s):
+    """steps: {key: step function}, each warmed up (a compiled model compiles there) -> {key: [CPU seconds per
+    step in each round]}, the keys timed in turn in every round; a round runs about round_s seconds of the
+    first key's steps for every key."""
+    first = next(iter(steps.values()))
+    t0 = time.process_time()
+    first()
+    iters = max(1, round(round_s / max(time.process_time() - t0, 1e-6)))
+    times = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            t0 = time.process_time()
+            for _ in range(iters):
+                step()
+            times[key].append((time.process_time() - t0) / iters)
+    return times
+
+
+def measure(shapes, rounds=10, threads=1):
+    """shapes: {name: (model config dict, TrainConfig)} -> {name: [CPU seconds per step in each round]}, each
+    distinct shape built and timed once (names that share one share its times), all in one interleaved set of
+    rounds with `threads` torch threads. A shape that cannot be built or run raises DeltaGPTError naming it."""
+    keys = {name: shape_key(*shape) for name, shape in shapes.items()}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        steps = {}
+        for name, (model_config, cfg) in shapes.items():
+            if keys[name] in steps:
+                continue
+            try:
+                steps[keys[name]] = setup(model_config, cfg)
+                steps[keys[name]]()  # warm-up: a mode or compiler this machine cannot run fails here
+            except Exception as e:  # noqa: BLE001: any failure of torch or its compiler, named in one line
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise DeltaGPTError(f"{name} cannot be timed on this machine ({type(e).__name__}: {first})") from None
+        times = step_times(steps, rounds, ROUND_S)
+    finally:
+        torch.set_num_threads(before)
+    return {name: times[key] for name, key in keys.items()}
+
