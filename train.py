@@ -315,7 +315,7 @@ def train(cfg):
         bar = run.enter_context(Progress(cfg, master, iter_num))
         stop = run.enter_context(StopFlag(master, lock.quit_now))
         t_start = time.time() - elapsed  # wall time counts on across resumes,
-        cpu_start = time.process_time() - cpu_elapsed  # and so does this process's CPU time
+        cpu_start = time.process_time() - cpu_elapsed  # and so does CPU time (another job moves it less)
 
         def checkpoint(path):
             """The run's state, written atomically by rank 0 (under FSDP all ranks gather it)."""

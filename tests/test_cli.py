@@ -159,6 +159,28 @@ def test_bench(monkeypatch):
     assert rows[0]["paired_x"] == 1.0 and rows[1]["paired_x"] > 0 and "x median" in out
 
 
+def test_bench_compile_without_a_working_cpp_compiler_is_one_line_before_any_work(monkeypatch):
+    from workbench import bench
+    monkeypatch.setattr(bench, "cpp_compiler", lambda: "no-such-c++")
+    monkeypatch.setattr(bench, "bench_compiled", lambda *a, **k: pytest.fail("benchmarked without a compiler"))
+    refused("--compile on the CPU needs a working C++ compiler for torch.compile's Inductor, and no-such-c++ does "
+            "not work", "bench", "--config", "cpu", "--compile")
+    refused("--compile and --profile are separate runs", "bench", "--config", "cpu", "--compile", "--profile")
+
+
+@pytest.mark.compile
+def test_bench_compile_times_every_mode_compiled(monkeypatch):
+    """bench --compile: each mode's first and second compile time, and its speed against the compiled and the eager
+    baseline, on a tiny config."""
+    from workbench import bench
+    from delta_gpt import GPTConfig
+    monkeypatch.setitem(bench.CONFIGS, "cpu", (GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=65), 2))
+    out = ok("bench", "--config", "cpu", "--compile", "--residual", "baseline,attnres-h2", "--iters", 1, "--rounds", 2)
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "mode" not in line}
+    assert set(rows) == {"eager baseline", "baseline", "attnres-h2"} and "Inductor's cache in" in out
+    assert rows["baseline"].split("|")[5].strip() == "1.000" and rows["eager baseline"].split("|")[2].strip() == "-"
+
+
 def test_bench_profile(monkeypatch):
     """bench --profile: per mode and pass, routing's milliseconds, its share of the step and its largest operations."""
     from workbench import bench

@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -84,7 +85,7 @@ def step(model, idx):
 def bench(config, batch, modes=RESIDUALS, iters=None, rounds=15, memory_layers=(), seed=0, round_s=1.0, **route):
     """Rows of {mode, params, saved, tok_s, ...} for one config, ratios to the first mode (baseline).
     Each round times `iters` steps of every mode in turn, in CPU time (the process's, all its threads), which
-    time-sharing with other jobs does not inflate. tok_s is the best round's; tok_s_x its ratio to the baseline's
+    time-sharing inflates less than wall time (not nothing: caches are shared; the modes in turn share it). tok_s is the best round's; tok_s_x its ratio to the baseline's
     best round; paired_x the median over rounds of the baseline's time in that round over the mode's, the
     steadier figure on a shared machine (docs/speed.md). iters: default about round_s seconds of the first mode."""
     torch.manual_seed(seed)
@@ -116,6 +117,78 @@ def bench(config, batch, modes=RESIDUALS, iters=None, rounds=15, memory_layers=(
         for key in [k for k in r if k in ("params", "tok_s") or k.startswith("saved")]:
             r[key + "_x"] = r[key] / base[key]
     return list(rows.values())
+
+
+def cpp_compiler():
+    """The C++ compiler Inductor would call on the CPU (g++ unless configured)."""
+    from torch._inductor import cpp_builder
+    return cpp_builder.get_cpp_compiler()
+
+
+def check_cpp_compiler():
+    """BenchError, one sentence, when no working C++ compiler is there for torch.compile on the CPU."""
+    try:
+        compiler = cpp_compiler()
+        done = subprocess.run([compiler, "-x", "c++", "-", "-o", os.devnull], input="int main() { return 0; }",
+                              capture_output=True, text=True, timeout=120)
+        why = None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["it failed"])[0]
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        compiler, why = locals().get("compiler", "a C++ compiler"), str(e).strip().splitlines()[0]
+    if why is not None:
+        raise BenchError(f"--compile on the CPU needs a working C++ compiler for torch.compile's Inductor, and "
+                         f"{compiler} does not work ({why}); install one (apt-get install g++) or leave --compile out")
+
+
+def bench_compiled(config, batch, modes=RESIDUALS, iters=None, rounds=15, seed=0, round_s=1.0):
+    """Rows of {mode, cold_s, warm_s, tok_s, tok_s_x, eager_x, paired_x} on the CPU, every mode compiled: the
+    first compile's wall time (cold unless Inductor's cache already holds these graphs) and a second one's
+    after dynamo forgets them (warm: Inductor's cache), then the compiled models and the eager baseline timed
+    in interleaved rounds as bench() does; ratios to the compiled baseline (eager_x: to the eager one)."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch.manual_seed(seed)
+    idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
+    eager = make(config, modes[0])
+    rows, runs = {}, {"eager baseline": eager}
+    for m in modes:
+        model = make(config, m)
+        times = []
+        for _ in range(2):  # cold, then warm
+            torch._dynamo.reset()
+            compiled = torch.compile(model)
+            t0 = time.perf_counter()
+            step(compiled, idx)
+            times.append(time.perf_counter() - t0)
+        rows[m] = dict(mode=m, cold_s=times[0], warm_s=times[1], times=[])
+        runs[m] = compiled
+        print(f"  {m}: compiled in {times[0]:.0f} s, again in {times[1]:.0f} s", flush=True)
+    rows["eager baseline"] = dict(mode="eager baseline", cold_s=None, warm_s=None, times=[])
+    for model in runs.values():
+        step(model, idx)
+    if iters is None:
+        t0 = time.process_time()
+        step(runs[modes[0]], idx)
+        iters = max(1, round(round_s / max(time.process_time() - t0, 1e-6)))
+    for _ in range(rounds):
+        for name, model in runs.items():
+            t0 = time.process_time()
+            for _ in range(iters):
+                step(model, idx)
+            rows[name]["times"].append((time.process_time() - t0) / iters)
+    base, plain = rows[modes[0]]["times"], rows["eager baseline"]["times"]
+    for r in rows.values():
+        r["tok_s"] = batch * config.block_size / min(r["times"])
+        r["tok_s_x"], r["eager_x"] = min(base) / min(r["times"]), min(plain) / min(r["times"])
+        r["paired_x"] = statistics.median(b / t for b, t in zip(base, r.pop("times")))
+    return [rows["eager baseline"]] + [rows[m] for m in modes]
+
+
+def compiled_table(rows):
+    head = ["mode", "compile s (first)", "compile s (again)", "tokens/s", "x compiled baseline",
+            "x median", "x eager baseline"]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
+        "| " + " | ".join([r["mode"], shown(r["cold_s"], ".0f"), shown(r["warm_s"], ".0f"), f"{r['tok_s']:,.0f}",
+                           f"{r['tok_s_x']:.3f}", f"{r['paired_x']:.3f}", f"{r['eager_x']:.3f}"]) + " |"
+        for r in rows])
 
 
 def speed_table(rows, memory_layers=()):
@@ -250,6 +323,8 @@ def check_args(args):
             raise BenchError(f"unknown --config {args.config!r}; choose one of {', '.join(CONFIGS)} or all")
         if args.steps is not None and not args.profile:
             raise BenchError("--steps sets how many steps --profile records; give --profile too, or leave --steps out")
+        if args.compile and args.profile:
+            raise BenchError("--compile and --profile are separate runs; give one of them")
         if args.batch_size is not None or args.variants is not None or args.json is not None:
             raise BenchError("--batch-size, --variants and --json apply to --device cuda only; the CPU configs "
                              "fix their batch")
@@ -264,8 +339,9 @@ def check_args(args):
                 except ValueError as e:
                     raise BenchError(f"--config {name}, mode {mode}: {e}") from None
         return
-    if args.n_layer is not None or args.n_embd is not None or args.profile:
-        raise BenchError("--n-layer, --n-embd and --profile apply to the CPU configs only")
+    if args.n_layer is not None or args.n_embd is not None or args.profile or args.compile:
+        raise BenchError("--n-layer, --n-embd, --profile and --compile apply to the CPU configs only (on CUDA "
+                         "--variants eager,compiled)")
     if not torch.cuda.is_available():
         raise BenchError(f"--device cuda needs a CUDA GPU, and this PyTorch ({torch.__version__}) sees none; "
                          f"run the CPU benchmark without --device, or install a CUDA build of PyTorch (docs/gpus.md)")
@@ -317,6 +393,9 @@ def parser(prog=None):
     ap.add_argument("--profile", action="store_true", help="CPU: instead of timing, torch.profiler's breakdown of each "
                     "mode's step: routing's share, forward and backward, by operation (workbench/profile.py)")
     ap.add_argument("--steps", type=int, default=None, help="with --profile: steps recorded per mode (default 5)")
+    ap.add_argument("--compile", action="store_true", help="CPU: every mode and the baseline compiled "
+                    "(torch.compile, Inductor): compile times, then speed against the compiled and the eager "
+                    "baseline (needs a C++ compiler; minutes per mode the first time)")
     ap.add_argument("--n-embd", type=int, default=None, help="CPU: the config at another width (a multiple of its heads)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice; 1 for figures "
                     "that another job on the machine should not move)")
@@ -351,6 +430,8 @@ def main(argv=None, prog=None):
     """Parse and check the options (BenchError for a bad one), set the process up and run the benchmark."""
     args = bench_args(argv, prog)
     check_args(args)
+    if args.compile:
+        check_cpp_compiler()  # before any work
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = tuple(args.residual.split(","))
@@ -371,6 +452,12 @@ def main(argv=None, prog=None):
             torch.manual_seed(0)
             idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
             print(profile_table(profile_modes({m: make(config, m) for m in modes}, idx, steps)))
+            continue
+        if args.compile:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+            print(f"{shape.replace('fp32 eager', 'fp32 compiled')}, Inductor's cache in {cache_dir()}, CPU time, "
+                  f"{rounds} rounds (tokens/s: the best round; x median: of each round's ratio)", flush=True)
+            print(compiled_table(bench_compiled(config, batch, modes, iters=args.iters, rounds=rounds)))
             continue
         print(f"{shape}, CPU time, {rounds} rounds (tokens/s: the best round; x median: of each round's ratio)", flush=True)
         memory_layers = (2 * config.n_layer,) if name == "d768" else ()

@@ -11,6 +11,7 @@ how far another job moves it.
 """
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -94,3 +95,43 @@ def measure(shapes, rounds=10, threads=1):
         torch.set_num_threads(before)
     return {name: times[key] for name, key in keys.items()}
 
+
+
+def main(argv=None):
+    """python -m workbench.speed --study FILE: the timed speed of a study's variants, training nothing (what
+    compare --study measures after its runs), to see how another job moves it."""
+    import argparse
+    from dataclasses import asdict
+
+    import data
+    from plumbing.config import model_config
+    from workbench import study as S
+    from workbench.report import markdown, speed_name, speed_ratio
+    ap = argparse.ArgumentParser(prog="python -m workbench.speed", description=main.__doc__.split("\n")[0])
+    ap.add_argument("--study", required=True, help="a study file (studies/)")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds, each timing every variant in turn")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the studies train with 1)")
+    args = ap.parse_args(argv)
+    try:
+        study = S.load_study(args.study)
+        runs = [r for r in S.cross(study, "runs/speed") if r.seed == study.seeds[0]]
+        option = study.sweep[0] if study.sweep else None
+        shapes = {}
+        for r in runs:
+            vocab = data.load(r.cfg.dataset, **({"data_dir": r.cfg.data_dir} if r.cfg.data_dir else {})).vocab_size
+            shapes[speed_name(r.variant, option, r.value)] = (asdict(model_config(r.cfg, vocab)), r.cfg)
+        times = measure(shapes, args.rounds, args.threads)
+    except DeltaGPTError as e:
+        raise SystemExit(f"error: {e}") from None
+    rows = []
+    for r in runs:
+        name, ref = speed_name(r.variant, option, r.value), speed_name(study.reference, option, r.value)
+        best, median = speed_ratio(times[name], times[ref])
+        rows.append([name, f"{1000 * statistics.median(times[name]):.1f}", f"{median:.3f}x", f"{best:.3f}x"])
+    print(f"{study.name}: a training step of each variant, {args.rounds} interleaved rounds, {args.threads} "
+          f"thread(s), CPU time; speed relative to {study.reference}")
+    print(markdown(["variant", "ms per step (median)", "speed (median)", "speed (best rounds)"], rows))
+
+
+if __name__ == "__main__":
+    main()
