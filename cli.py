@@ -257,14 +257,15 @@ def compare_command(
         "wall", "--clock", help="what the equal-time column and the time plot read: wall, or cpu "
                                 "(each run's own CPU time, which other jobs on the machine "
                                 "inflate less)"),
-    speed_rounds: int = typer.Option(
-        10, "--speed-rounds", help="after the runs, time a training step of each variant at its "
-                                   "shape, interleaved, this many rounds (the per-minute columns); "
-                                   "0 leaves it out"),
+    speed_rounds: Optional[int] = typer.Option(
+        None, "--speed-rounds",
+        help="after the runs, time a training step of each variant at its shape, interleaved, this "
+             "many rounds (the per-minute columns; default 10, or the results' timing when nothing "
+             "trained); 0 leaves it out"),
     reprint: bool = typer.Option(
         False, "--reprint", help="with --study FILE: print the tables and draw the pictures from "
-                                 "the study's results (studies/results/NAME.json beside FILE), "
-                                 "training nothing"),
+                                 "the study's results (results/NAME.json beside FILE) in --out "
+                                 "(default runs/NAME-reprint), training nothing"),
 ):
     """Train each variant and seed on the same batches, then tabulate val loss, the paired
     difference to the reference, routing sharpness and speed.
@@ -280,19 +281,28 @@ def compare_command(
         raise ConfigError(f"--jobs {jobs} must be at least 1 (the runs trained at a time)")
     if clock not in ("wall", "cpu"):
         raise ConfigError(f"unknown --clock {clock!r}; choose wall or cpu")
-    if speed_rounds < 0:
+    if speed_rounds is not None and speed_rounds < 0:
         raise ConfigError(f"--speed-rounds {speed_rounds} must be 0 (no timing) or more")
     if reprint and study is None:
         raise ConfigError("--reprint reads a study's results: give --study FILE")
-    from workbench import compare
+    if reprint and (jobs != 1 or overwrite or dry_run or speed_rounds is not None):
+        raise ConfigError("--reprint trains and times nothing: leave out --jobs, --overwrite, "
+                          "--dry-run and --speed-rounds")
+    from workbench import compare, study as study_files
     from plumbing.system import apply_process_settings
     plan = compare.study_of(study, residual, seeds, ctx.args)
-    out = out or Path("runs") / plan.name
     results = study.parent / "results" / f"{plan.name}.json" if study is not None else None
     if reprint:
+        out = out or Path("runs") / f"{plan.name}-reprint"
         typer.echo(compare.reprint(plan, results, out, typer.echo, clock))
         typer.echo(f"\nwrote {out / 'compare.md'} and {out / 'compare.json'}")
         return
+    if results is not None and compare.same_study(study_files.load_study(study).definition(),
+                                                  plan.definition()):
+        results = None  # the file's study with other options: not its results
+        typer.echo(f"note: options beside --study change the study, so "
+                   f"{study.parent / 'results'} is left as it is")
+    out = out or Path("runs") / plan.name
     apply_process_settings(compare.process_config(plan))
     table = compare.run_study(plan, out, overwrite, typer.echo, dry_run, jobs, clock, speed_rounds,
                               results)

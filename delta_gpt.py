@@ -127,18 +127,18 @@ def causal_mask(T, P, device):
 
 
 class KVCache:
-    """One layer's keys and values of the positions generation has already run, (B, nh, P, hs), so that
-    each step runs only the new tokens (routing is per token: nothing else needs caching)."""
+    """One layer's keys and values of the positions generation has already run, (B, nh, P, hs), so
+    that each step runs only the new tokens (routing is per token: nothing else needs caching)."""
 
     def __init__(self):
         self.k = self.v = None
 
-    def __len__(self):
-        return 0 if self.k is None else self.k.size(2) # P
+    def __len__(self):  # P; an empty cache is falsy, so test `cache is not None`, not `if cache`
+        return 0 if self.k is None else self.k.size(2)
 
     def extend(self, k, v):
-        """The cached keys and values with the new ones after them, (B, nh, P+T, hs), kept for the next
-        step."""
+        """The cached keys and values with the new ones after them, (B, nh, P+T, hs), kept for
+        the next step."""
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.k, self.v = k, v
@@ -457,8 +457,8 @@ class GPT(nn.Module):
             stream = FastStream(e, self.config, self.routers, record)
         else:
             stream = Stream(e, self.config, record)
-        for block, layer_cache in zip(self.transformer.h, cache or [None] * len(self.transformer.h)):
-            block(stream, layer_cache)
+        for block, kv in zip(self.transformer.h, cache or [None] * len(self.transformer.h)):
+            block(stream, kv)
         return self.transformer.ln_f(stream.output(getattr(self.transformer, "final_router", None)))
 
     def forward(self, idx, targets=None):

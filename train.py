@@ -231,11 +231,12 @@ def eval_line(step, losses):
     return line + (f", routing max weight {sharpness:.3f}" if math.isfinite(sharpness) else "")
 
 
-def check_step(step, loss, norm, stop, scaler, checkpoint, out_dir, saved_at):
+def check_step(step, loss, norm, stop, scaler, checkpoint, out_dir, saved_at, bar):
     """The step's guards, on one host sync: every rank learns the step's mean loss (returned) and
     whether any rank was signalled to stop. A signal writes last.pt as it was before this step
     (resuming redoes it) and ends the run; a non-finite loss, or gradient norm (which fp16's scaler
-    skips by itself), ends it before the step is applied."""
+    skips by itself), ends it before the step is applied. bar: the progress bar, closed before the
+    message."""
     stats = torch.stack([loss, torch.tensor(float(stop.signal is not None), device=loss.device)])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(stats)
@@ -249,8 +250,8 @@ def check_step(step, loss, norm, stop, scaler, checkpoint, out_dir, saved_at):
         checkpoint(last)
         message = (f"stopped by signal at step {step}; checkpoint {last} written "
                    f"(continue with --resume)")
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            tqdm.write(message)
+        bar.close()
+        bar.write(message)
         raise KeyboardInterrupt(message)
     if not math.isfinite(loss):
         raise TrainError(f"loss is {loss} at step {step}; stopped without applying it, {kept} "
@@ -305,8 +306,8 @@ def train(cfg):
         if cfg.eval_only:  # evaluate the model once, write nothing
             losses = evaluate_model(raw_model, ds, cfg, ctx, device, master)
             if master:
-                print(f"{eval_line(iter_num, losses)} "
-                      f"(each the mean of {cfg.eval_iters} fixed batches)")
+                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss "
+                      f"{losses['val']:.4f} (each the mean of {cfg.eval_iters} fixed batches)")
             return dict(val_loss=losses["val"], train_loss=losses["train"], iter_num=iter_num)
 
         # setup 3, the record: metrics.jsonl (and W&B), the progress bar, SIGINT/SIGTERM as a flag
@@ -315,7 +316,7 @@ def train(cfg):
         bar = run.enter_context(Progress(cfg, master, iter_num))
         stop = run.enter_context(StopFlag(master, lock.quit_now))
         t_start = time.time() - elapsed  # wall time counts on across resumes,
-        cpu_start = time.process_time() - cpu_elapsed  # and so does CPU time (another job moves it less)
+        cpu_start = time.process_time() - cpu_elapsed  # and CPU time (another job moves it less)
 
         def checkpoint(path):
             """The run's state, written atomically by rank 0 (under FSDP all ranks gather it)."""
@@ -351,9 +352,10 @@ def train(cfg):
                            val_loss=val_loss, elapsed=time.time() - t_start,
                            cpu_s=time.process_time() - cpu_start, routing=losses.get("routing"))
                 bar.write(eval_line(iter_num, losses))
-                improved, best_val_loss = val_loss < best_val_loss, min(best_val_loss, val_loss)
-                if improved and iter_num > 0:  # best.pt keeps the best model so far
-                    checkpoint(out_dir / "best.pt")
+                if val_loss < best_val_loss:  # best.pt keeps the best model so far
+                    best_val_loss = val_loss
+                    if iter_num > 0:
+                        checkpoint(out_dir / "best.pt")
             if ((iter_num % cfg.ckpt_interval == 0 and iter_num > 0 or iter_num == cfg.max_iters)
                     and iter_num != resumed_at):  # a fresh run's step 0 is saved only as its end
                 checkpoint(out_dir / "last.pt")
@@ -392,7 +394,7 @@ def train(cfg):
             norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             # the guards: a signal, a non-finite loss or gradient ends the run before the update
             loss = check_step(iter_num, loss_sum / accum, norm, stop, scaler, checkpoint, out_dir,
-                              saved_at)
+                              saved_at, bar)
             # step the optimizer and scaler if training in fp16
             scaler.step(optimizer)
             scaler.update()

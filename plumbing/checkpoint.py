@@ -199,6 +199,11 @@ def model_from_init_checkpoint(cfg, meta, master):
     return model
 
 
+def model_vocab(ds):
+    """The vocabulary a new model of dataset ds gets: its own, or GPT-2's padded up to a multiple of 64."""
+    return 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size
+
+
 def start_model(cfg, ckpt, ds, rank, device, dtype, master):
     """(model on `device`, iter_num, best_val_loss) a run starts from: its last.pt (--resume), a new model
     (scratch), GPT-2's weights or a checkpoint's (--init-from); under FSDP rank 0 builds it and every rank
@@ -209,8 +214,7 @@ def start_model(cfg, ckpt, ds, rank, device, dtype, master):
             model = resume_model(cfg, ckpt, ds.meta)
             iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         elif cfg.init_from == "scratch":
-            vocab_size = 50304 if ds.tokenizer.name == "gpt2" else ds.vocab_size  # GPT-2's, padded to 64
-            model = GPT(model_config(cfg, vocab_size))
+            model = GPT(model_config(cfg, model_vocab(ds)))
         elif cfg.init_from in GPT2_MODELS:
             model = model_from_gpt2(cfg, ds.tokenizer.name)
         else:
@@ -233,6 +237,10 @@ def start_optimizer(model, cfg, ckpt, scaler, rank, device):
     load_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp, rank)
     for group, setting in zip(optimizer.param_groups, settings):
         group.update(setting)
+    for p, state in optimizer.state.items():  # one-head static logits were (n,): their moments too
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.dim() and v.shape != p.shape and v.numel() == p.numel():
+                state[k] = v.view_as(p)
     if scaler.is_enabled() and ckpt["scaler"]:  # a float32/bf16 run saved a disabled scaler's empty state
         scaler.load_state_dict(ckpt["scaler"])
     restore_rng(ckpt["rng"])

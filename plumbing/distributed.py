@@ -23,7 +23,7 @@ def process_group(cfg):
     if not torchrun and not cfg.fsdp:
         yield 0, 1, pick_device(cfg)
         return
-    rank, world_size, device = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), pick_device(cfg)
+    rank, device = int(os.environ.get("RANK", 0)), pick_device(cfg)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)

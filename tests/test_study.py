@@ -13,7 +13,7 @@ import pytest
 import train as T
 from conftest import ok, refused, run
 from plumbing import checkpoint as CK, rundir as RD
-from workbench import report as R, speed as SP, study as S
+from workbench import compare as C, report as R, speed as SP, study as S
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, max_iters=4, warmup_iters=2,
             eval_interval=2, eval_iters=2, log_interval=1, ckpt_interval=2, progress=False, dataset="tiny")
@@ -243,9 +243,13 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
         assert all(bound in "<>" and bound for bound, _ in row["break_even"].values())
         assert row["equal_compute_diff"] is None and row["equal_compute_needs"] > 0
     assert (out / "compare.md").read_text().split("\n\n")[0] in table and (out / "loss.png").exists()
+    train = T.train
     monkeypatch.setattr(T, "train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
     again = ok("compare", "--study", path, "--out", out)
     assert "8 finished, 0 to train" in again and again.count("reusing the finished run") == 8
+    # nothing trained: the timing kept with the results stays, so the table does not move
+    assert "speed: the timing of" in again and "timing a training step" not in again
+    assert [l for l in again.splitlines() if l.startswith("|")] == [l for l in table.splitlines() if l.startswith("|")]
     # --clock cpu reads equal time on each run's own CPU time, which train records beside its wall time
     cpu = ok("compare", "--study", path, "--out", out, "--clock", "cpu", "--speed-rounds", 2)
     assert "vs ref, equal CPU time (unannealed)" in cpu and "own CPU clocks" in (out / "compare.md").read_text()
@@ -259,9 +263,16 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
     assert (tmp_path / "again" / "loss.png").exists() and not list((tmp_path / "again").glob("*-s1"))
     refused("--reprint reads a study's results: give --study FILE", "compare", "--residual", "baseline",
             "--reprint")
+    refused("--reprint trains and times nothing: leave out --jobs", "compare", "--study", path, "--reprint",
+            "--jobs", 2)
     other = study_file(tmp_path / "tiny2.toml", tiny_data, sweep={"learning_rate": [1e-3]})
     (tmp_path / "results" / "tiny2.json").write_text((tmp_path / "results" / "tiny.json").read_text())
     refused("holds the results of another definition of 'tiny'", "compare", "--study", other, "--reprint")
+    # options beside --study make another study: its results are not the file's
+    monkeypatch.setattr(T, "train", train)
+    kept = (tmp_path / "results" / "tiny.json").read_text()
+    short = ok("compare", "--study", path, "--out", tmp_path / "short", "--max-iters", 2, "--speed-rounds", 0)
+    assert "is left as it is" in short and (tmp_path / "results" / "tiny.json").read_text() == kept
     summaries = json.loads((out / "compare.json").read_text())["runs"]
     for r in summaries:
         evals = [m for m in RD.read_metrics(r["out_dir"]) if m["kind"] == "eval"]
@@ -399,6 +410,16 @@ def test_a_variant_that_cannot_be_timed_is_said_in_one_line_and_the_study_still_
     out = ok("compare", "--study", path, "--out", tmp_path / "out")
     said = [l for l in out.splitlines() if l.startswith("speed: ")]
     assert said == ["speed: delta cannot be timed on this machine (RuntimeError: no working C++ compiler); the "
-                    "table's timed speed, break-even and equal-compute columns are left out"]
+                    "table's timed speed and equal-compute columns show '-' (break-even needs no timing)"]
     result = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert result["speed"] is None and len(result["runs"]) == 2 and "| delta | 1 |" in out
+
+
+def test_a_reference_family_is_its_runs_of_other_lengths_annealed_to_their_end():
+    study = S.study_from_dict(dict(seeds=[1], train=dict(max_iters=100), variants={
+        "baseline": dict(residual="baseline"), "baseline-200": dict(residual="baseline", max_iters=200),
+        "baseline-cut": dict(residual="baseline", max_iters=200, lr_decay_iters=400),
+        "baseline-hi": dict(residual="baseline", learning_rate=3e-3), "delta": dict(residual="delta")}), "f")
+    families = C.families(study)
+    assert families["baseline"] == ["baseline", "baseline-200"] and families["baseline-cut"] == ["baseline-cut"]
+    assert families["baseline-hi"] == ["baseline-hi"] and families["delta"] == ["delta"]

@@ -819,6 +819,27 @@ def test_static_routing_is_recorded_as_architecture(tiny_data, tmp_path):
     assert "delta" in table
 
 
+def test_a_one_head_static_run_of_the_previous_shape_resumes_bit_exact(tiny_data, tmp_path):
+    """Static logits (and so their AdamW moments) were (n,) for one head before they were (H, n): a run saved
+    that way resumes, and ends where the run of today's shape ends."""
+    T.train(cfg_for(tiny_data, tmp_path / "new", residual="delta", route_weights="static", max_iters=4))
+    path = tmp_path / "old" / "last.pt"
+    path.parent.mkdir()
+    for name in ("last.pt", "config.json", "metrics.jsonl"):
+        (path.parent / name).write_bytes((tmp_path / "new" / name).read_bytes())
+    ckpt = CK.load_checkpoint(path)
+    ckpt["model"] = {k: v.squeeze(0) if k.endswith("_router.logits") else v for k, v in ckpt["model"].items()}
+    for state in ckpt["optimizer"]["state"].values():
+        for k, v in state.items():
+            if v.dim() == 2 and v.size(0) == 1:
+                state[k] = v.squeeze(0)
+    CK.save_checkpoint(ckpt, path)
+    for run in ("new", "old"):
+        T.train(T.resume_config(out_dir=str(tmp_path / run), max_iters=8))
+    a, b = params(tmp_path / "new" / "last.pt"), params(tmp_path / "old" / "last.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a) and train_losses(tmp_path / "old") == train_losses(tmp_path / "new")
+
+
 # ---------------------------------------------------------------- multi-head routing
 
 def test_multi_head_routing_is_recorded_as_architecture(tiny_data, tmp_path):

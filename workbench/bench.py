@@ -84,8 +84,9 @@ def step(model, idx):
 
 def bench(config, batch, modes=RESIDUALS, iters=None, rounds=15, memory_layers=(), seed=0, round_s=1.0, **route):
     """Rows of {mode, params, saved, tok_s, ...} for one config, ratios to the first mode (baseline).
-    Each round times `iters` steps of every mode in turn, in CPU time (the process's, all its threads), which
-    time-sharing inflates less than wall time (not nothing: caches are shared; the modes in turn share it). tok_s is the best round's; tok_s_x its ratio to the baseline's
+    Each round times `iters` steps of every mode in turn, in CPU time (the process's, all its threads),
+    which time-sharing inflates less than wall time (not nothing: caches are shared), and the modes in
+    turn alike. tok_s is the best round's; tok_s_x its ratio to the baseline's
     best round; paired_x the median over rounds of the baseline's time in that round over the mode's, the
     steadier figure on a shared machine (docs/speed.md). iters: default about round_s seconds of the first mode."""
     torch.manual_seed(seed)
@@ -127,13 +128,14 @@ def cpp_compiler():
 
 def check_cpp_compiler():
     """BenchError, one sentence, when no working C++ compiler is there for torch.compile on the CPU."""
+    compiler = "a C++ compiler"
     try:
         compiler = cpp_compiler()
         done = subprocess.run([compiler, "-x", "c++", "-", "-o", os.devnull], input="int main() { return 0; }",
                               capture_output=True, text=True, timeout=120)
         why = None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["it failed"])[0]
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        compiler, why = locals().get("compiler", "a C++ compiler"), str(e).strip().splitlines()[0]
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if why is not None:
         raise BenchError(f"--compile on the CPU needs a working C++ compiler for torch.compile's Inductor, and "
                          f"{compiler} does not work ({why}); install one (apt-get install g++) or leave --compile out")
@@ -156,7 +158,11 @@ def bench_compiled(config, batch, modes=RESIDUALS, iters=None, rounds=15, seed=0
             torch._dynamo.reset()
             compiled = torch.compile(model)
             t0 = time.perf_counter()
-            step(compiled, idx)
+            try:
+                step(compiled, idx)
+            except Exception as e:  # noqa: BLE001: Inductor's failures (headers, OpenMP, ...) in one line
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise BenchError(f"{m} does not compile on this machine ({type(e).__name__}: {first})") from None
             times.append(time.perf_counter() - t0)
         rows[m] = dict(mode=m, cold_s=times[0], warm_s=times[1], times=[])
         runs[m] = compiled

@@ -187,11 +187,16 @@ def on_clock(summary, clock="wall"):
 
 
 def families(study):
-    """{variant: the variants that train as it does but for their schedule's length, itself included}."""
+    """{variant: the variants that train as it does but for their schedule's length, itself included}; a
+    variant whose cosine ends before or after its last step is in none but its own (it is not annealed)."""
     def but_length(options):
         return {k: v for k, v in options.items() if k not in ("max_iters", "lr_decay_iters")}
-    return {a: [b for b, o in study.variants.items() if but_length(o) == but_length(study.variants[a])]
-            for a in study.variants}
+
+    def annealed(options):
+        options = {**study.train, **options}
+        return options.get("lr_decay_iters") in (None, options.get("max_iters"))
+    return {a: [b for b, o in study.variants.items() if b == a or annealed(o) and annealed(study.variants[a])
+                and but_length(o) == but_length(study.variants[a])] for a in study.variants}
 
 
 def timed_speeds(study, runs, jobs, rounds, echo=print):
@@ -210,7 +215,8 @@ def timed_speeds(study, runs, jobs, rounds, echo=print):
     try:
         times = SP.measure(shapes, rounds, threads)
     except DeltaGPTError as e:
-        echo(f"speed: {e}; the table's timed speed, break-even and equal-compute columns are left out")
+        echo(f"speed: {e}; the table's timed speed and equal-compute columns show '-' (break-even needs no "
+             f"timing)")
         return None
     return dict(rounds=rounds, threads=threads, cpu=SY.cpu_name(), torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d"), times=times)
@@ -240,9 +246,10 @@ def process_config(study):
 def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, clock="wall", speed_rounds=0,
               results=None):
     """Train (or reuse, or resume) every run of the study, `jobs` at a time, time a training step of each
-    variant (speed_rounds rounds; 0: no timing), then write OUT/compare.json (every run's numbers and the
-    timed speeds), compare.md (the table), the pictures and, given a path, the same JSON as the study's
-    results (which reprint reads). Every setting, every existing run and the folder are checked and the plan
+    variant (speed_rounds rounds; 0: no timing; None: 10, or where nothing trained the timing the results
+    file keeps), then write OUT/compare.json (every run's numbers and the timed speeds), compare.md (the
+    table), the pictures and, given a path, the same JSON as the study's results (which reprint reads;
+    not written over with an untimed study's). Every setting, every existing run and the folder are checked and the plan
     printed before anything trains. Returns the table (Markdown), or None for a dry run. clock: what "equal
     time" reads, wall time or each run's CPU time."""
     out = Path(out)
@@ -268,14 +275,39 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, cl
         raise
     summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed, clock))
                  for r in runs]
-    speed = timed_speeds(study, runs, jobs, speed_rounds, echo) if speed_rounds else None
+    saved = saved_result(study, results)
+    if speed_rounds is None and saved and saved.get("speed") and all(st == "finished" for st, _ in states):
+        speed = saved["speed"]  # nothing trained: the figures stay those of the timing kept with the results
+        echo(f"speed: the timing of {speed['date']} kept in {results} (--speed-rounds N times again)")
+    else:
+        speed = timed_speeds(study, runs, jobs, speed_rounds or 10, echo) if speed_rounds != 0 else None
     result = dict(name=study.name, study=study.definition(), speed=speed,
                   runs=[{k: v for k, v in s.items() if k not in ("curve", "elapsed")} for s in summaries])
-    if results is not None:  # the runs' folders are this machine's: the results in the repository do without
+    if results is not None and (speed is not None or saved is None):
+        # the runs' folders are this machine's: the results in the repository do without them
         R.save_json(dict(result, runs=[{k: v for k, v in s.items() if k != "out_dir"} for s in result["runs"]]),
                     results)
         echo(f"wrote {results} (the study's results: `compare --study FILE --reprint` prints its tables from it)")
     return tabulate(study, result, out, echo, clock, runs[0].cfg)
+
+
+def same_study(a, b):
+    """The differences [(key, a's, b's)] of two study definitions, bookkeeping options (--threads, ...) aside."""
+    def definition(d):
+        d = json.loads(json.dumps(d or {}, default=str))
+        return dict(d, train={k: v for k, v in (d.get("train") or {}).items() if k not in O.BOOKKEEPING_FIELDS})
+    return S.differences(definition(a), definition(b))
+
+
+def saved_result(study, results):
+    """The study's results file when it holds this very study (its name and definition), else None."""
+    try:
+        saved = json.loads(Path(results).read_text()) if results is not None else None
+    except (OSError, ValueError):
+        return None
+    if saved and saved.get("name") == study.name and not same_study(saved.get("study"), study.definition()):
+        return saved
+    return None
 
 
 def reprint(study, results, out, echo=print, clock="wall"):
@@ -286,10 +318,7 @@ def reprint(study, results, out, echo=print, clock="wall"):
     except (OSError, ValueError) as e:
         raise S.StudyError(f"cannot read the results {results} ({type(e).__name__}); run the study's compare "
                            f"first, which writes them") from None
-    def definition(d):  # --threads and other bookkeeping make no other study
-        d = json.loads(json.dumps(d or {}, default=str))
-        return dict(d, train={k: v for k, v in (d.get("train") or {}).items() if k not in O.BOOKKEEPING_FIELDS})
-    diff = S.differences(definition(result.get("study")), definition(study.definition()))
+    diff = same_study(result.get("study"), study.definition())
     if result.get("name") != study.name or diff:
         said = "; ".join(f"{k} ({json.dumps(a)} there, {json.dumps(b)} here)" for k, a, b in diff[:3])
         raise S.StudyError(f"{results} holds the results of another definition of {result.get('name')!r}"

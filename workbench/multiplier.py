@@ -36,6 +36,8 @@ def multipliers(result, variant, baselines):
     for seed, run in sorted(runs_by_seed(result, variant).items()):
         curve = sorted((ref[name][seed]["steps"], ref[name][seed]["val_loss"]) for name in baselines
                        if seed in ref[name])
+        if not curve:  # no baseline run of this seed
+            continue
         steps, bound = length_for_loss(run["val_loss"], curve)
         bound = {"<": "less than ", ">": "more than "}.get(bound, "")
         rows.append(dict(seed=seed, steps=run["steps"], val_loss=run["val_loss"], curve=curve, bound=bound,

@@ -281,10 +281,13 @@ def loss_at_length(steps, lengths):
     between the two lengths that bracket it (lower than the straight chord: the reading that does not
     flatter a run compared against it); None outside them."""
     points = sorted(lengths)
+    exact = [loss for s, loss in points if s == steps]
+    if exact:
+        return exact[0]
     for (s0, l0), (s1, l1) in zip(points, points[1:]):
-        if s0 <= steps <= s1:
+        if s0 < steps < s1:
             return l0 + (l1 - l0) * math.log(steps / s0) / math.log(s1 / s0)
-    return next((loss for s, loss in points if s == steps), None)
+    return None
 
 
 def length_for_loss(loss, lengths):
@@ -294,9 +297,9 @@ def length_for_loss(loss, lengths):
     if loss > points[0][1]:
         return points[0][0], "<"
     for (s0, l0), (s1, l1) in zip(points, points[1:]):
-        if l1 <= loss <= l0:
+        if l1 <= loss <= l0 and s1 > s0:
             return s0 * (s1 / s0) ** ((l0 - loss) / max(l0 - l1, 1e-12)), ""
-    return points[-1][0], ">"
+    return points[-1][0], "" if loss == points[-1][1] else ">"
 
 
 def per_minute(runs, lengths, speed):
@@ -473,7 +476,8 @@ def study_notes(reference, pairs=False, clock="wall"):
             f"speed relative to {reference}, a whole training step at the study's shape timed with the shapes "
             f"interleaved in one process (compare.json's speed): the median over rounds (the best rounds' ratio). "
             f"break-even: the speed ratio at which the variant would be level with {reference} at equal compute, "
-            f"one over the steps {reference} needs on its own schedule to reach the variant's loss, per seed "
+            f"the variant's steps over the steps {reference} needs on its own schedule to reach its loss (one "
+            f"over the step multiplier), per seed "
             f"(min-max), read from the final losses of {reference}'s runs of different lengths, linear in "
             f"log(steps) between the two that bracket it (> or < where they do not reach): from the losses alone. "
             f"vs ref, equal compute: the paired difference to {reference} given the variant's steps over the "

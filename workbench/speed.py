@@ -26,7 +26,7 @@ ROUND_S = 0.5  # seconds of the first shape's steps in each round (the tests sho
 def shape_key(model_config, cfg):
     """What decides a run's time per step: its model (dropout included) and the step's settings."""
     step = dict(batch_size=cfg.batch_size, accum=cfg.gradient_accumulation_steps, dtype=cfg.dtype,
-                compile=bool(cfg.compile), grad_clip=cfg.grad_clip)
+                compile=bool(cfg.compile), grad_clip=cfg.grad_clip, recompute=cfg.activation_checkpointing)
     return json.dumps(dict(model_config, **step), sort_keys=True)
 
 
@@ -46,6 +46,8 @@ def setup(model_config, cfg, seed=0):
     torch.manual_seed(seed)
     config = GPTConfig(**model_config)
     raw = GPT(config)
+    for block in raw.transformer.h:
+        block.recompute = cfg.activation_checkpointing
     optimizer = raw.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu",
                                          route_lr_mult=cfg.route_lr_mult)
     model = torch.compile(raw) if cfg.compile else raw
@@ -77,6 +79,8 @@ def measure(shapes, rounds=10, threads=1):
     distinct shape built and timed once (names that share one share its times), all in one interleaved set of
     rounds with `threads` torch threads. A shape that cannot be built or run raises DeltaGPTError naming it."""
     keys = {name: shape_key(*shape) for name, shape in shapes.items()}
+    # one compiled model per shape: past dynamo's default of 8, the later ones would run eager
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(keys))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -104,6 +108,7 @@ def main(argv=None):
     from dataclasses import asdict
 
     import data
+    from plumbing.checkpoint import model_vocab
     from plumbing.config import model_config
     from workbench import study as S
     from workbench.report import markdown, speed_name, speed_ratio
@@ -118,8 +123,8 @@ def main(argv=None):
         option = study.sweep[0] if study.sweep else None
         shapes = {}
         for r in runs:
-            vocab = data.load(r.cfg.dataset, **({"data_dir": r.cfg.data_dir} if r.cfg.data_dir else {})).vocab_size
-            shapes[speed_name(r.variant, option, r.value)] = (asdict(model_config(r.cfg, vocab)), r.cfg)
+            ds = data.load(r.cfg.dataset, **({"data_dir": r.cfg.data_dir} if r.cfg.data_dir else {}))
+            shapes[speed_name(r.variant, option, r.value)] = (asdict(model_config(r.cfg, model_vocab(ds))), r.cfg)
         times = measure(shapes, args.rounds, args.threads)
     except DeltaGPTError as e:
         raise SystemExit(f"error: {e}") from None
