@@ -174,7 +174,7 @@ def test_bench_compile_times_every_mode_compiled(monkeypatch):
     baseline, on a tiny config."""
     from workbench import bench
     from delta_gpt import GPTConfig
-    monkeypatch.setitem(bench.CONFIGS, "cpu", (GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=65), 2))
+    monkeypatch.setitem(bench.CONFIGS, "cpu", (GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), 2))
     out = ok("bench", "--config", "cpu", "--compile", "--residual", "baseline,attnres-h2", "--iters", 1, "--rounds", 2)
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "mode" not in line}
     assert set(rows) == {"eager baseline", "baseline", "attnres-h2"} and "Inductor's cache in" in out
