@@ -249,9 +249,9 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, cl
     variant (speed_rounds rounds; 0: no timing; None: 10, or where nothing trained the timing the results
     file keeps), then write OUT/compare.json (every run's numbers and the timed speeds), compare.md (the
     table), the pictures and, given a path, the same JSON as the study's results (which reprint reads;
-    not written over with an untimed study's). Every setting, every existing run and the folder are checked and the plan
-    printed before anything trains. Returns the table (Markdown), or None for a dry run. clock: what "equal
-    time" reads, wall time or each run's CPU time."""
+    not written over with an untimed study's). Every setting, every existing run and the folder are
+    checked and the plan printed before anything trains. Returns the table (Markdown), or None for a dry
+    run. clock: what "equal time" reads, wall time or each run's CPU time."""
     out = Path(out)
     runs = S.cross(study, out)
     S.claim_folder(study, out, overwrite, write=False)
