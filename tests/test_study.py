@@ -423,3 +423,18 @@ def test_a_reference_family_is_its_runs_of_other_lengths_annealed_to_their_end()
     families = C.families(study)
     assert families["baseline"] == ["baseline", "baseline-200"] and families["baseline-cut"] == ["baseline-cut"]
     assert families["baseline-hi"] == ["baseline-hi"] and families["delta"] == ["delta"]
+
+
+@pytest.mark.parametrize("variant, words", [
+    ({"residual": "attnres", "route_heads": 3}, "route_heads=3 must be a whole number that divides n_embd=32"),
+    ({"residual": "delta", "n_layer": 0}, "n_layer=0 must be a positive integer"),
+    ({"residual": "delta_block", "n_route_blocks": 3}, "n_route_blocks=3 must divide 2*n_layer=4 sublayers"),
+    ({"residual": "delta", "n_head": 3}, "n_embd=32 is not divisible by n_head=3"),
+])
+def test_a_shape_the_model_refuses_is_one_line_before_any_run(tiny_data, tmp_path, variant, words):
+    """compare --dry-run checks every run's model as the study asks for it: a depth, width or head count the
+    model refuses is one line, and nothing is written."""
+    path = study_file(tmp_path / "deep.toml", tiny_data, seeds=[1],
+                      variants={"baseline": {"residual": "baseline"}, "v": variant})
+    refused(words, "compare", "--study", path, "--out", tmp_path / "out", "--dry-run")
+    assert not (tmp_path / "out").exists()
