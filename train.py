@@ -244,8 +244,6 @@ def check_step(step, loss, norm, stop, scaler, checkpoint, out_dir, saved_at, ba
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a sharded norm
     loss, stop_now, grad_norm = torch.cat([stats, norm.detach().view(1).to(stats)]).tolist()
     last = out_dir / "last.pt"
-    kept = (f"{last} still holds step {saved_at}" if saved_at is not None
-            else "no checkpoint was written yet")
     if stop_now > 0:
         checkpoint(last)
         message = (f"stopped by signal at step {step}; checkpoint {last} written "
@@ -253,13 +251,15 @@ def check_step(step, loss, norm, stop, scaler, checkpoint, out_dir, saved_at, ba
         bar.close()
         bar.write(message)
         raise KeyboardInterrupt(message)
-    if not math.isfinite(loss):
-        raise TrainError(f"loss is {loss} at step {step}; stopped without applying it, {kept} "
-                         f"(lower --learning-rate or check the data)")
-    if not math.isfinite(grad_norm) and not scaler.is_enabled():
-        raise TrainError(f"gradient norm is {grad_norm} at step {step} (loss {loss:.4f}); stopped "
-                         f"without applying it, {kept} (lower --learning-rate or check the data)")
-    return loss
+    if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
+        return loss
+    what = (f"loss is {loss} at step {step}" if not math.isfinite(loss)
+            else f"gradient norm is {grad_norm} at step {step} (loss {loss:.4f})")
+    kept = (f"{last} still holds step {saved_at}" if saved_at is not None
+            else "no checkpoint was written yet")
+    raise TrainError(f"{what}; stopped without applying it, {kept} "
+                     f"(lower --learning-rate or check the data)")
+
 
 # -----------------------------------------------------------------------------
 # train(): setup, then the loop
@@ -352,10 +352,9 @@ def train(cfg):
                            val_loss=val_loss, elapsed=time.time() - t_start,
                            cpu_s=time.process_time() - cpu_start, routing=losses.get("routing"))
                 bar.write(eval_line(iter_num, losses))
-                if val_loss < best_val_loss:  # best.pt keeps the best model so far
-                    best_val_loss = val_loss
-                    if iter_num > 0:
-                        checkpoint(out_dir / "best.pt")
+                improved, best_val_loss = val_loss < best_val_loss, min(best_val_loss, val_loss)
+                if improved and iter_num > 0:  # best.pt keeps the best model past step 0
+                    checkpoint(out_dir / "best.pt")
             if ((iter_num % cfg.ckpt_interval == 0 and iter_num > 0 or iter_num == cfg.max_iters)
                     and iter_num != resumed_at):  # a fresh run's step 0 is saved only as its end
                 checkpoint(out_dir / "last.pt")
