@@ -15,11 +15,11 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -28,6 +28,8 @@ from errors import DeltaGPTError
 from plumbing.config import ConfigError, at_least_one, parse_mode
 from plumbing.system import keep_freed_memory
 from workbench.profile import profile_modes, profile_table
+from workbench.report import speed_ratio
+from workbench.speed import step_times
 
 # name -> (model config, batch size), fp32 eager on the CPU: the cpu preset's model (character vocabulary), the
 # shape of the width-128 studies (studies/heads-w128.toml: the cpu preset 16 layers deep) and GPT-2 small
@@ -92,27 +94,17 @@ def bench(config, batch, modes=RESIDUALS, iters=None, rounds=15, memory_layers=(
     torch.manual_seed(seed)
     idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
     models = {m: make(config, m, **route) for m in modes}
-    rows = {m: dict(mode=m, params=models[m].get_num_params(), saved=saved_bytes(models[m], idx), times=[])
-            for m in modes}
+    rows = {m: dict(mode=m, params=models[m].get_num_params(), saved=saved_bytes(models[m], idx)) for m in modes}
     for n_layer in memory_layers:  # activation memory at other depths, to show it grows linearly
         for m in modes:
             rows[m][f"saved_L{n_layer}"] = saved_bytes(make(replace(config, n_layer=n_layer), m, **route), idx)
-    for m in modes:  # warm-up
-        step(models[m], idx)
-    if iters is None:
-        t0 = time.process_time()
-        step(models[modes[0]], idx)
-        iters = max(1, round(round_s / max(time.process_time() - t0, 1e-6)))
-    for _ in range(rounds):
-        for m in modes:
-            t0 = time.process_time()
-            for _ in range(iters):
-                step(models[m], idx)
-            rows[m]["times"].append((time.process_time() - t0) / iters)
-    base_times = rows[modes[0]]["times"]
-    for r in rows.values():
-        r["tok_s"] = batch * config.block_size / min(r["times"])
-        r["paired_x"] = statistics.median(b / t for b, t in zip(base_times, r.pop("times")))
+    steps = {m: partial(step, models[m], idx) for m in modes}
+    for warm_up in steps.values():
+        warm_up()
+    times = step_times(steps, rounds, round_s, iters)
+    for m, r in rows.items():
+        r["tok_s"] = batch * config.block_size / min(times[m])
+        r["paired_x"] = speed_ratio(times[m], times[modes[0]])[1]
     base = rows[modes[0]]
     for r in rows.values():
         for key in [k for k in r if k in ("params", "tok_s") or k.startswith("saved")]:
@@ -150,7 +142,7 @@ def bench_compiled(config, batch, modes=RESIDUALS, iters=None, rounds=15, seed=0
     torch.manual_seed(seed)
     idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
     eager = make(config, modes[0])
-    rows, runs = {}, {"eager baseline": eager}
+    rows, runs = {}, {"eager baseline": partial(step, eager, idx)}
     for m in modes:
         model = make(config, m)
         times = []
@@ -164,27 +156,16 @@ def bench_compiled(config, batch, modes=RESIDUALS, iters=None, rounds=15, seed=0
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise BenchError(f"{m} does not compile on this machine ({type(e).__name__}: {first})") from None
             times.append(time.perf_counter() - t0)
-        rows[m] = dict(mode=m, cold_s=times[0], warm_s=times[1], times=[])
-        runs[m] = compiled
+        rows[m] = dict(mode=m, cold_s=times[0], warm_s=times[1])
+        runs[m] = partial(step, compiled, idx)
         print(f"  {m}: compiled in {times[0]:.0f} s, again in {times[1]:.0f} s", flush=True)
-    rows["eager baseline"] = dict(mode="eager baseline", cold_s=None, warm_s=None, times=[])
-    for model in runs.values():
-        step(model, idx)
-    if iters is None:
-        t0 = time.process_time()
-        step(runs[modes[0]], idx)
-        iters = max(1, round(round_s / max(time.process_time() - t0, 1e-6)))
-    for _ in range(rounds):
-        for name, model in runs.items():
-            t0 = time.process_time()
-            for _ in range(iters):
-                step(model, idx)
-            rows[name]["times"].append((time.process_time() - t0) / iters)
-    base, plain = rows[modes[0]]["times"], rows["eager baseline"]["times"]
-    for r in rows.values():
-        r["tok_s"] = batch * config.block_size / min(r["times"])
-        r["tok_s_x"], r["eager_x"] = min(base) / min(r["times"]), min(plain) / min(r["times"])
-        r["paired_x"] = statistics.median(b / t for b, t in zip(base, r.pop("times")))
+    rows["eager baseline"] = dict(mode="eager baseline", cold_s=None, warm_s=None)
+    runs["eager baseline"]()  # warm-up (the compiled ones ran twice above)
+    times = step_times(runs, rounds, round_s, iters)
+    for name, r in rows.items():
+        r["tok_s"] = batch * config.block_size / min(times[name])
+        r["tok_s_x"], r["paired_x"] = speed_ratio(times[name], times[modes[0]])
+        r["eager_x"] = speed_ratio(times[name], times["eager baseline"])[0]
     return [rows["eager baseline"]] + [rows[m] for m in modes]
 
 

@@ -9,25 +9,32 @@ how far another job moves it.
     the reference's speed. best: the ratio of the best rounds; median: the median over rounds of the two
     shapes' ratio in that round (the steadier figure on a shared machine).
 """
+import argparse
 import json
 import math
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 
+import data
 from delta_gpt import GPT, GPTConfig
 from errors import DeltaGPTError
+from plumbing.checkpoint import model_vocab
+from plumbing.config import model_config
 from plumbing.system import precision
+from workbench import study as S
+from workbench.report import markdown, speed_name, speed_ratio
 
 ROUND_S = 0.5  # seconds of the first shape's steps in each round (the tests shorten it)
 
 
-def shape_key(model_config, cfg):
+def shape_key(recorded, cfg):
     """What decides a run's time per step: its model (dropout included) and the step's settings."""
     step = dict(batch_size=cfg.batch_size, accum=cfg.gradient_accumulation_steps, dtype=cfg.dtype,
                 compile=bool(cfg.compile), grad_clip=cfg.grad_clip, recompute=cfg.activation_checkpointing)
-    return json.dumps(dict(model_config, **step), sort_keys=True)
+    return json.dumps(dict(recorded, **step), sort_keys=True)
 
 
 def train_step(model, optimizer, idx, ctx, accum, grad_clip):
@@ -41,10 +48,10 @@ def train_step(model, optimizer, idx, ctx, accum, grad_clip):
     optimizer.zero_grad(set_to_none=True)
 
 
-def setup(model_config, cfg, seed=0):
+def setup(recorded, cfg, seed=0):
     """(step function) of one shape: its model as the run built it, AdamW as the run's, fixed random tokens."""
     torch.manual_seed(seed)
-    config = GPTConfig(**model_config)
+    config = GPTConfig(**recorded)
     raw = GPT(config)
     for block in raw.transformer.h:
         block.recompute = cfg.activation_checkpointing
@@ -56,14 +63,15 @@ def setup(model_config, cfg, seed=0):
     return lambda: train_step(model, optimizer, idx, ctx, cfg.gradient_accumulation_steps, cfg.grad_clip)
 
 
-def step_times(steps, rounds, round_s):
+def step_times(steps, rounds, round_s, iters=None):
     """steps: {key: step function}, each warmed up (a compiled model compiles there) -> {key: [CPU seconds per
-    step in each round]}, the keys timed in turn in every round; a round runs about round_s seconds of the
-    first key's steps for every key."""
-    first = next(iter(steps.values()))
-    t0 = time.process_time()
-    first()
-    iters = max(1, round(round_s / max(time.process_time() - t0, 1e-6)))
+    step in each round]}, the keys timed in turn in every round, `iters` steps each (default: about round_s
+    seconds of the first key's steps). `bench` times its modes with it too."""
+    if iters is None:
+        first = next(iter(steps.values()))
+        t0 = time.process_time()
+        first()
+        iters = max(1, round(round_s / max(time.process_time() - t0, 1e-6)))
     times = {key: [] for key in steps}
     for _ in range(rounds):
         for key, step in steps.items():
@@ -85,11 +93,11 @@ def measure(shapes, rounds=10, threads=1):
     torch.set_num_threads(threads)
     try:
         steps = {}
-        for name, (model_config, cfg) in shapes.items():
+        for name, (recorded, cfg) in shapes.items():
             if keys[name] in steps:
                 continue
             try:
-                steps[keys[name]] = setup(model_config, cfg)
+                steps[keys[name]] = setup(recorded, cfg)
                 steps[keys[name]]()  # warm-up: a mode or compiler this machine cannot run fails here
             except Exception as e:  # noqa: BLE001: any failure of torch or its compiler, named in one line
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -104,14 +112,6 @@ def measure(shapes, rounds=10, threads=1):
 def main(argv=None):
     """python -m workbench.speed --study FILE: the timed speed of a study's variants, training nothing (what
     compare --study measures after its runs), to see how another job moves it."""
-    import argparse
-    from dataclasses import asdict
-
-    import data
-    from plumbing.checkpoint import model_vocab
-    from plumbing.config import model_config
-    from workbench import study as S
-    from workbench.report import markdown, speed_name, speed_ratio
     ap = argparse.ArgumentParser(prog="python -m workbench.speed", description=main.__doc__.split("\n")[0])
     ap.add_argument("--study", required=True, help="a study file (studies/)")
     ap.add_argument("--rounds", type=int, default=10, help="rounds, each timing every variant in turn")
