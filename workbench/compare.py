@@ -157,10 +157,10 @@ def run_label(r):
     return f"{r.variant}{f' {S.value_label(r.value)}' if r.swept and r.value is not None else ''} seed {r.seed}"
 
 
-def run_summary(out_dir, seed, clock="wall"):
+def run_summary(out_dir, seed):
     """What the table needs of one finished run, read from its metrics.jsonl and config.json: the last
-    evaluation's val loss and routing sharpness, the median training tokens/s, every evaluation (step, train
-    and val loss, wall and CPU seconds), and on_clock's curve and total time."""
+    evaluation's val loss and routing sharpness, the median training tokens/s and every evaluation (step,
+    train and val loss, wall and CPU seconds); on_clock reads its curve and total time on one clock."""
     rows = read_metrics(out_dir)
     evals = [r for r in rows if r["kind"] == "eval"]
     if not evals or not (Path(out_dir) / "config.json").exists():
@@ -170,12 +170,12 @@ def run_summary(out_dir, seed, clock="wall"):
     speeds = sorted(r["tokens_per_s"] for r in rows if r["kind"] == "train")
     routing = {k: v for k, v in (evals[-1].get("routing") or {}).items()
                if not (isinstance(v, float) and math.isnan(v))}  # NaN: no sublayer with more than one source
-    return on_clock(dict(
+    return dict(
         seed=seed, val_loss=evals[-1]["val_loss"], tokens_per_s=speeds[len(speeds) // 2] if speeds else None,
         max_weight=routing.get("mean_max_weight"), deep_max_weight=routing.get("deep_max_weight"),
         entropy=routing.get("mean_entropy"), deep_entropy=routing.get("deep_entropy"), steps=evals[-1]["step"],
         params=json.loads((Path(out_dir) / "config.json").read_text())["params"],
-        evals=[{k: r.get(k) for k in ("step", "train_loss", "val_loss", "elapsed", "cpu_s")} for r in evals]), clock)
+        evals=[{k: r.get(k) for k in ("step", "train_loss", "val_loss", "elapsed", "cpu_s")} for r in evals])
 
 
 def on_clock(summary, clock="wall"):
@@ -273,7 +273,7 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, cl
         echo("compare stopped: the finished runs are kept and the stopped ones checkpointed; run the same command "
              "again to go on (compare resumes them itself, without --resume)")
         raise
-    summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed, clock))
+    summaries = [dict(variant=r.variant, sweep=r.value, out_dir=r.cfg.out_dir, **run_summary(r.cfg.out_dir, r.seed))
                  for r in runs]
     saved = saved_result(study, results)
     if speed_rounds is None and saved and saved.get("speed") and all(st == "finished" for st, _ in states):
@@ -281,11 +281,10 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, cl
         echo(f"speed: the timing of {speed['date']} kept in {results} (--speed-rounds N times again)")
     else:
         speed = timed_speeds(study, runs, jobs, speed_rounds or 10, echo) if speed_rounds != 0 else None
-    result = dict(name=study.name, study=study.definition(), speed=speed,
-                  runs=[{k: v for k, v in s.items() if k not in ("curve", "elapsed")} for s in summaries])
+    result = dict(name=study.name, study=study.definition(), speed=speed, runs=summaries)
     if results is not None and (speed is not None or saved is None):
         # the runs' folders are this machine's: the results in the repository do without them
-        R.save_json(dict(result, runs=[{k: v for k, v in s.items() if k != "out_dir"} for s in result["runs"]]),
+        R.save_json(dict(result, runs=[{k: v for k, v in s.items() if k != "out_dir"} for s in summaries]),
                     results)
         echo(f"wrote {results} (the study's results: `compare --study FILE --reprint` prints its tables from it)")
     return tabulate(study, result, out, echo, clock, runs[0].cfg)
@@ -359,7 +358,7 @@ def study_plan(study, runs, states, jobs=1):
     per_run = {}  # (variant, sweep value) -> seconds of a whole run: a finished one's, else one timed step's
     for r, (state, _) in zip(runs, states):
         if state == "finished" and (r.variant, S.value_label(r.value)) not in per_run:
-            per_run[r.variant, S.value_label(r.value)] = run_summary(r.cfg.out_dir, r.seed)["elapsed"]
+            per_run[r.variant, S.value_label(r.value)] = run_summary(r.cfg.out_dir, r.seed)["evals"][-1]["elapsed"]
     seconds = 0.0
     for r, (state, step) in zip(runs, states):
         if state == "finished":

@@ -345,7 +345,7 @@ def speed_name(variant, option=None, value=None):
     return variant if option is None else f"{variant} {option}={value}"
 
 
-def readings(runs, by_variant, b, family, option, value, speed):
+def readings(runs, by_variant, b, family, option, value, times):
     """The per-minute readings of runs (a variant's, {seed: summary}) against variant b: the measured speed
     ratio (best, median) and per_minute's, where b's family (b and the runs like it but for their length) has
     runs; {} for b's family itself."""
@@ -357,7 +357,7 @@ def readings(runs, by_variant, b, family, option, value, speed):
         for seed, s in by_variant.get(name, {}).items():
             lengths.setdefault(seed, []).append((s["steps"], s["val_loss"]))
     best = median = None
-    times = speed or {}
+    times = times or {}
     if speed_name(a, option, value) in times and speed_name(b, option, value) in times:
         best, median = speed_ratio(times[speed_name(a, option, value)], times[speed_name(b, option, value)])
     return dict(speed_best=best, speed_median=median, **per_minute(runs, lengths, median))
@@ -368,12 +368,12 @@ def speed_ratio(mine, ref):
     return min(ref) / min(mine), statistics.median(r / m for r, m in zip(ref, mine))
 
 
-def study_rows(summaries, reference, option=None, families=None, speed=None):
+def study_rows(summaries, reference, option=None, families=None, times=None):
     """summaries: one dict per run (variant, sweep, seed, val_loss, tokens_per_s, routing stats, elapsed,
     curve) -> a row per sweep value and variant: compare_rows' figures, the paired difference to the
     reference (mean, standard error, seeds beaten), sharpness, speed relative to the reference from the runs'
     clocks, and the paired difference at equal time: per seed both curves read at the shorter run's total
-    time. With families ({variant: the variants like it but for their schedule length}) and speed ({speed
+    time. With families ({variant: the variants like it but for their schedule length}) and times ({speed
     name: per-round seconds per step}, workbench/speed.py): the per-minute readings (readings())."""
     rows = []
     for value in dict.fromkeys(s["sweep"] for s in summaries):
@@ -389,17 +389,17 @@ def study_rows(summaries, reference, option=None, families=None, speed=None):
             diff, se, wins, n = paired({k: s["val_loss"] for k, s in runs.items()},
                                        {k: s["val_loss"] for k, s in ref.items()})
             t_diff, t_se, _, _ = equal_time(runs, ref)
-            speed_, ref_speed = (mean_std([s["tokens_per_s"] for s in g.values()])[0] for g in (runs, ref))
+            speed, ref_speed = (mean_std([s["tokens_per_s"] for s in g.values()])[0] for g in (runs, ref))
             rows.append(dict(row, variant=variant, sweep=value, option=option,
                              diff=diff if other else None, diff_se=se if other else None, wins=wins, paired=n,
                              deep_max_weight=mean_std([s.get("deep_max_weight") for s in runs.values()])[0],
                              entropy=mean_std([s.get("entropy") for s in runs.values()])[0],
                              deep_entropy=mean_std([s.get("deep_entropy") for s in runs.values()])[0],
-                             speed_ratio=speed_ / ref_speed if speed_ and ref_speed else None,
+                             speed_ratio=speed / ref_speed if speed and ref_speed else None,
                              equal_time_diff=t_diff if other else None, equal_time_se=t_se if other else None,
                              elapsed=mean_std([s.get("elapsed") for s in runs.values()])[0],
                              **(readings(runs, by_variant, reference, families.get(reference, [reference]),
-                                         option, value, speed) if families is not None else {})))
+                                         option, value, times) if families is not None else {})))
     return rows
 
 
@@ -431,9 +431,9 @@ def study_table(rows, reference, option=None, clock="wall"):
     return markdown(head, body)
 
 
-def pair_rows(summaries, pairs, option=None, families=None, speed=None):
+def pair_rows(summaries, pairs, option=None, families=None, times=None):
     """The paired difference of each pair [a, b] of variants (a minus b, seed by seed) at every sweep value,
-    at the end and at equal time, and with families and speed (as study_rows) a's per-minute readings
+    at the end and at equal time, and with families and times (as study_rows) a's per-minute readings
     against b."""
     rows = []
     for value in dict.fromkeys(s["sweep"] for s in summaries):
@@ -448,7 +448,7 @@ def pair_rows(summaries, pairs, option=None, families=None, speed=None):
             t_diff, t_se, _, _ = equal_time(ra, rb)
             rows.append(dict(sweep=value, a=a, b=b, diff=diff, diff_se=se, wins=wins, paired=n,
                              equal_time_diff=t_diff, equal_time_se=t_se,
-                             **(readings(ra, runs, b, families.get(b, [b]), option, value, speed)
+                             **(readings(ra, runs, b, families.get(b, [b]), option, value, times)
                                 if families is not None else {})))
     return rows
 
