@@ -266,6 +266,9 @@ def compare_command(
         False, "--reprint", help="with --study FILE: print the tables and draw the pictures from "
                                  "the study's results (results/NAME.json beside FILE) in --out "
                                  "(default runs/NAME-reprint), training nothing"),
+    by_step: int = typer.Option(
+        0, "--by-step", help="also print the lead (val and train loss) of each variant over the reference, "
+                             "and of each pair, at every evaluation at a multiple of N steps"),
 ):
     """Train each variant and seed on the same batches, then tabulate val loss, the paired
     difference to the reference, routing sharpness and speed.
@@ -283,6 +286,8 @@ def compare_command(
         raise ConfigError(f"unknown --clock {clock!r}; choose wall or cpu")
     if speed_rounds is not None and speed_rounds < 0:
         raise ConfigError(f"--speed-rounds {speed_rounds} must be 0 (no timing) or more")
+    if by_step < 0:
+        raise ConfigError(f"--by-step {by_step} must be a number of steps (or 0: no lead by step)")
     if reprint and study is None:
         raise ConfigError("--reprint reads a study's results: give --study FILE")
     if reprint and (jobs != 1 or overwrite or dry_run or speed_rounds is not None):
@@ -294,7 +299,7 @@ def compare_command(
     results = study.parent / "results" / f"{plan.name}.json" if study is not None else None
     if reprint:
         out = out or Path("runs") / f"{plan.name}-reprint"
-        typer.echo(compare.reprint(plan, results, out, typer.echo, clock))
+        typer.echo(compare.reprint(plan, results, out, typer.echo, clock, by_step))
         typer.echo(f"\nwrote {out / 'compare.md'} and {out / 'compare.json'}")
         return
     if results is not None and compare.same_study(study_files.load_study(study).definition(),
@@ -305,7 +310,7 @@ def compare_command(
     out = out or Path("runs") / plan.name
     apply_process_settings(compare.process_config(plan))
     table = compare.run_study(plan, out, overwrite, typer.echo, dry_run, jobs, clock, speed_rounds,
-                              results)
+                              results, by_step)
     if table is not None:
         typer.echo(table)
         typer.echo(f"\nwrote {out / 'compare.md'} and {out / 'compare.json'}")

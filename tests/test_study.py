@@ -197,6 +197,29 @@ def test_paired_statistics_by_hand():
     assert R.study_best(sweep, "n_layer", tuning=False) == "lowest mean val loss by n_layer: a 0.01, b 0.003"
 
 
+def test_the_lead_by_step_by_hand():
+    def run(variant, seed, losses, steps=None):
+        evals = [dict(step=s, val_loss=v, train_loss=v - 0.1) for s, v in zip(steps or (0, 10, 20), losses)]
+        return dict(variant=variant, sweep=None, seed=seed, steps=evals[-1]["step"], evals=evals)
+    runs = [run("base", 1, (3.0, 2.5, 2.0)), run("base", 2, (3.0, 2.6, 2.1)),
+            run("new", 1, (3.0, 2.3, 1.9)), run("new", 2, (3.0, 2.5, 2.2)),
+            run("long", 1, (3.0, 2.4, 2.2, 1.8), (0, 10, 20, 30)), run("long", 2, (3.0, 2.4, 2.1, 1.8), (0, 10, 20, 30))]
+    rows = R.lead_rows(runs, "base", [["long", "new"]], 10)
+    # new on the reference's schedule, then the pair; long (another length) only as the pair names it; step 0 left out
+    assert [(r["a"], r["b"], r["loss"]) for r in rows] == [("new", "base", "val"), ("new", "base", "train"),
+                                                           ("long", "new", "val"), ("long", "new", "train")]
+    new = rows[0]["cells"]
+    assert sorted(new) == [10, 20] and new[10][:1] == pytest.approx((-0.15,)) and new[10][2:] == (2, 2)
+    assert new[20][0] == pytest.approx(0.0) and new[20][1] == pytest.approx(0.1) and new[20][2] == 1
+    assert rows[1]["cells"][10][0] == pytest.approx(-0.15)  # the train loss's lead, here the same shift
+    assert sorted(rows[2]["cells"]) == [10, 20] and rows[2]["cells"][20][0] == pytest.approx(0.1)  # shared steps only
+    assert sorted(R.lead_rows(runs, "base", [], 20)[0]["cells"]) == [20]  # multiples of 20
+    table = R.lead_table(rows)
+    assert table.splitlines()[0] == "| a - b | loss | 10 | 20 |"
+    assert "| new - base | val | -0.1500 (2/2) | +0.0000 (1/2) |" in table
+    assert R.lead_rows(runs, "base", [], 7) == []
+
+
 # ---------------------------------------------------------------- tiny studies end to end
 
 @pytest.mark.slow
@@ -261,6 +284,17 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
     again = ok("compare", "--study", path, "--out", tmp_path / "again", "--clock", "cpu", "--reprint")
     assert [l for l in cpu.splitlines() if l.startswith("|")] == [l for l in again.splitlines() if l.startswith("|")]
     assert (tmp_path / "again" / "loss.png").exists() and not list((tmp_path / "again").glob("*-s1"))
+    # the lead by step, from the same results: each rate's delta against the baseline at every evaluation
+    by_step = ok("compare", "--study", path, "--out", tmp_path / "again", "--reprint", "--by-step", 1)
+    leads = json.loads((tmp_path / "again" / "compare.json").read_text())["leads"]
+    runs = {(r["variant"], r["sweep"], r["seed"]): {e["step"]: e["val_loss"] for e in r["evals"]} for r in results["runs"]}
+    lead = next(l for l in leads if l["a"] == "delta" and l["b"] == "baseline" and l["loss"] == "val")
+    step, cell = max(lead["cells"].items(), key=lambda kv: int(kv[0]))
+    diffs = [runs["delta", lead["sweep"], s][int(step)] - runs["baseline", lead["sweep"], s][int(step)] for s in (1, 2)]
+    assert cell[0] == pytest.approx(sum(diffs) / 2) and f"| {lead['sweep']} | delta - baseline | val | " in by_step
+    assert "(no evaluation at a multiple of 1000 steps" in ok("compare", "--study", path, "--out", tmp_path / "again",
+                                                                "--reprint", "--by-step", 1000)
+    refused("--by-step -1 must be a number of steps", "compare", "--study", path, "--reprint", "--by-step", -1)
     refused("--reprint reads a study's results: give --study FILE", "compare", "--residual", "baseline",
             "--reprint")
     refused("--reprint trains and times nothing: leave out --jobs", "compare", "--study", path, "--reprint",

@@ -244,14 +244,15 @@ def process_config(study):
 
 
 def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, clock="wall", speed_rounds=0,
-              results=None):
+              results=None, by_step=0):
     """Train (or reuse, or resume) every run of the study, `jobs` at a time, time a training step of each
     variant (speed_rounds rounds; 0: no timing; None: 10, or where nothing trained the timing the results
     file keeps), then write OUT/compare.json (every run's numbers and the timed speeds), compare.md (the
     table), the pictures and, given a path, the same JSON as the study's results (which reprint reads;
     not written over with an untimed study's). Every setting, every existing run and the folder are
     checked and the plan printed before anything trains. Returns the table (Markdown), or None for a dry
-    run. clock: what "equal time" reads, wall time or each run's CPU time."""
+    run. clock: what "equal time" reads, wall time or each run's CPU time; by_step: N adds the lead at every
+    evaluation at a multiple of N steps (0: not)."""
     out = Path(out)
     runs = S.cross(study, out)
     S.claim_folder(study, out, overwrite, write=False)
@@ -287,7 +288,7 @@ def run_study(study, out, overwrite=False, echo=print, dry_run=False, jobs=1, cl
         R.save_json(dict(result, runs=[{k: v for k, v in s.items() if k != "out_dir"} for s in summaries]),
                     results)
         echo(f"wrote {results} (the study's results: `compare --study FILE --reprint` prints its tables from it)")
-    return tabulate(study, result, out, echo, clock, runs[0].cfg)
+    return tabulate(study, result, out, echo, clock, runs[0].cfg, by_step)
 
 
 def same_study(a, b):
@@ -309,7 +310,7 @@ def saved_result(study, results):
     return None
 
 
-def reprint(study, results, out, echo=print, clock="wall"):
+def reprint(study, results, out, echo=print, clock="wall", by_step=0):
     """The study's tables and pictures from its results file (run_study's), training nothing: refused when the
     file is another study's or another definition's."""
     try:
@@ -323,12 +324,12 @@ def reprint(study, results, out, echo=print, clock="wall"):
         raise S.StudyError(f"{results} holds the results of another definition of {result.get('name')!r}"
                            f"{f' (it differs in {said})' if said else ''}; run the study's compare again")
     Path(out).mkdir(parents=True, exist_ok=True)
-    return tabulate(study, result, out, echo, clock, S.cross(study, out)[0].cfg)
+    return tabulate(study, result, out, echo, clock, S.cross(study, out)[0].cfg, by_step)
 
 
-def tabulate(study, result, out, echo, clock, cfg):
+def tabulate(study, result, out, echo, clock, cfg, by_step=0):
     """compare.json, compare.md and the pictures in out from a study's result (its runs' summaries and timed
-    speeds); returns the table."""
+    speeds), with by_step the lead at every evaluation at a multiple of by_step steps; returns the tables."""
     summaries = [on_clock(s, clock) for s in result["runs"]]
     option = study.sweep[0] if study.sweep else None
     times = (result.get("speed") or {}).get("times")
@@ -337,8 +338,12 @@ def tabulate(study, result, out, echo, clock, cfg):
     pairs = R.pair_rows(summaries, study.pairs, option, families(study), times)
     if pairs:  # a pair's difference, seed by seed: a minus b on the same batches (the reference's, for both)
         table += "\n\n" + R.pair_table(pairs, option, clock)
+    leads = R.lead_rows(summaries, study.reference, study.pairs, by_step) if by_step else []
+    if by_step:  # the lead by step: where a head start shows, and where it fades
+        table += "\n\n" + (R.lead_table(leads, option) if leads else
+                            f"(no evaluation at a multiple of {by_step} steps that the runs compared share)")
     out = Path(out)
-    R.save_json(dict(result, rows=rows, pairs=pairs, runs=summaries), out / "compare.json")
+    R.save_json(dict(result, rows=rows, pairs=pairs, leads=leads, runs=summaries), out / "compare.json")
     best = R.study_best(rows, option, [v for v in study.variants if not S.sweep_applies(study, v)],
                         tuning=option not in O.ARCH_FIELDS)
     notes = (best, R.study_notes(study.reference, pairs=bool(pairs), clock=clock))

@@ -463,6 +463,47 @@ def pair_table(rows, option=None, clock="wall"):
                               signed(r["equal_time_diff"], r["equal_time_se"])] for r in rows])
 
 
+def lead_rows(summaries, reference, pairs, every):
+    """The paired difference by step: for each variant on the reference's schedule (against the reference) and
+    each pair [a, b] (a minus b), at every evaluation step both have on every seed that is a multiple of
+    `every` (step 0 left out), of the val loss and of the train loss: a row per sweep value, comparison and
+    loss, its cells {step: (mean, standard error, seeds where a is lower, seeds)}."""
+    rows = []
+    for value in dict.fromkeys(s["sweep"] for s in summaries):
+        runs = {}
+        for s in summaries:
+            if s["sweep"] == value:
+                runs.setdefault(s["variant"], {})[s["seed"]] = s
+        steps_of = {v: {s["steps"] for s in r.values()} for v, r in runs.items()}
+        compared = [(v, reference) for v in runs if v != reference and steps_of[v] == steps_of.get(reference)]
+        for a, b in compared + [tuple(pair) for pair in pairs if tuple(pair) not in compared]:
+            ra, rb = runs.get(a, {}), runs.get(b, {})
+            for loss in ("val_loss", "train_loss"):
+                at = {}  # {step: ({seed: a's loss}, {seed: b's loss})}
+                for seed in ra.keys() & rb.keys():
+                    mine = {e["step"]: e[loss] for e in ra[seed]["evals"]}
+                    for e in rb[seed]["evals"]:
+                        if e["step"] in mine and e["step"] > 0 and e["step"] % every == 0:
+                            at.setdefault(e["step"], ({}, {}))
+                            at[e["step"]][0][seed], at[e["step"]][1][seed] = mine[e["step"]], e[loss]
+                n = len(ra.keys() & rb.keys())
+                cells = {step: paired(*both) for step, both in sorted(at.items()) if len(both[0]) == n}
+                if cells:
+                    rows.append(dict(sweep=value, a=a, b=b, loss=loss.split("_")[0], cells=cells))
+    return rows
+
+
+def lead_table(rows, option=None):
+    """The lead-by-step Markdown table: a row per lead_rows row, a column per step, each cell the mean
+    difference and the seeds where a is lower."""
+    steps = sorted({step for r in rows for step in r["cells"]})
+    head = ([option] if option else []) + ["a - b", "loss"] + [str(s) for s in steps]
+    return markdown(head, [([str(r["sweep"])] if option else []) + [f"{r['a']} - {r['b']}", r["loss"]]
+                           + ["" if s not in r["cells"] else
+                              f"{r['cells'][s][0]:+.4f} ({r['cells'][s][2]}/{r['cells'][s][3]})" for s in steps]
+                           for r in rows])
+
+
 def study_notes(reference, pairs=False, clock="wall"):
     """What the study table's columns mean (written under it in compare.md), and the pairs' table's."""
     clock_word = "wall" if clock == "wall" else "CPU"
