@@ -165,7 +165,8 @@ def test_bench_compile_without_a_working_cpp_compiler_is_one_line_before_any_wor
     monkeypatch.setattr(bench, "bench_compiled", lambda *a, **k: pytest.fail("benchmarked without a compiler"))
     refused("--compile on the CPU needs a working C++ compiler for torch.compile's Inductor, and no-such-c++ does "
             "not work", "bench", "--config", "cpu", "--compile")
-    refused("--compile and --profile are separate runs", "bench", "--config", "cpu", "--compile", "--profile")
+    monkeypatch.setattr(bench, "profile_compiled", lambda *a, **k: pytest.fail("profiled without a compiler"))
+    refused("no-such-c++ does not work", "bench", "--config", "cpu", "--compile", "--profile")
 
 
 @pytest.mark.compile
@@ -179,6 +180,27 @@ def test_bench_compile_times_every_mode_compiled(monkeypatch):
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "mode" not in line}
     assert set(rows) == {"eager baseline", "baseline", "attnres-h2"} and "Inductor's cache in" in out
     assert rows["baseline"].split("|")[5].strip() == "1.000" and rows["eager baseline"].split("|")[2].strip() == "-"
+
+
+@pytest.mark.compile
+def test_bench_compile_profile_splits_the_compiled_step_by_kind(monkeypatch):
+    """bench --compile --profile: per mode and pass, the compiled step's milliseconds by kind (matrix products,
+    attention, Inductor's fused kernels, other), and each mode's difference to the baseline."""
+    from workbench import bench
+    from delta_gpt import GPTConfig
+    monkeypatch.setitem(bench.CONFIGS, "cpu", (GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), 2))
+    out = ok("bench", "--config", "cpu", "--compile", "--profile", "--steps", 1, "--residual", "baseline,attnres-h2")
+    assert "| mode | pass | matrix products | attention | fused kernels | other | step |" in out
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): [float(c) for c in line.strip("|").split("|")[2:]]
+            for line in out.splitlines() if line.startswith("| ") and not line.startswith("| mode")}
+    assert set(rows) == {(m, p) for m in ("baseline", "attnres-h2") for p in ("forward", "backward")} | {
+        ("attnres-h2", "minus baseline")}
+    for cells in rows.values():
+        assert sum(cells[:4]) == pytest.approx(cells[4], abs=0.2)  # the kinds add up to the step
+    assert rows["baseline", "forward"][0] > 0 and rows["baseline", "forward"][2] > 0  # products and fused code found
+    diff = [a + b - c - d for a, b, c, d in zip(rows["attnres-h2", "forward"], rows["attnres-h2", "backward"],
+                                                rows["baseline", "forward"], rows["baseline", "backward"])]
+    assert rows["attnres-h2", "minus baseline"] == pytest.approx(diff, abs=0.2)
 
 
 def test_bench_profile(monkeypatch):

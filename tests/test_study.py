@@ -373,7 +373,7 @@ def test_interrupted_study_resumes_where_it_stopped(tiny_data, tmp_path, monkeyp
 @pytest.mark.slow
 def test_two_runs_at_a_time_give_the_numbers_of_one_at_a_time(tiny_data, tmp_path):
     path = study_file(tmp_path / "pair.toml", tiny_data, seeds=[1, 2])
-    one = ok("compare", "--study", path, "--out", tmp_path / "one", "--threads", 1)
+    ok("compare", "--study", path, "--out", tmp_path / "one", "--threads", 1)
     two = ok("compare", "--study", path, "--out", tmp_path / "two", "--threads", 1, "--jobs", 2)
     assert "at 2 at a time" in two and two.count("train.log there") == 4 and two.count("finished at step 4") == 4
     started = [line.split(":")[0] for line in two.splitlines() if line.endswith("(its output: train.log there)")]

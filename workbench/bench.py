@@ -6,6 +6,7 @@ backward (activation memory), and parameter count, each with its ratio to baseli
     python cli.py bench --config cpu --iters 20  # one config
     python cli.py bench --config w128 --threads 1 --residual baseline,attnres,attnres-h4   # the studies' shape
     python cli.py bench --config w128 --threads 1 --profile   # where each mode's step goes (workbench/profile.py)
+    python cli.py bench --config w128 --threads 1 --profile --compile   # the compiled step, by kind of operation
     python -m workbench.bench ...                # the same without the CLI
     python cli.py bench --device cuda            # GPU: d768, context 1024, bf16, eager and compiled
 
@@ -27,7 +28,7 @@ from delta_gpt import GPT, GPTConfig, RESIDUALS
 from errors import DeltaGPTError
 from plumbing.config import ConfigError, at_least_one, parse_mode
 from plumbing.system import keep_freed_memory
-from workbench.profile import profile_modes, profile_table
+from workbench.profile import compiled_profile_table, profile_compiled, profile_modes, profile_table
 from workbench.report import speed_ratio
 from workbench.speed import step_times
 
@@ -310,8 +311,6 @@ def check_args(args):
             raise BenchError(f"unknown --config {args.config!r}; choose one of {', '.join(CONFIGS)} or all")
         if args.steps is not None and not args.profile:
             raise BenchError("--steps sets how many steps --profile records; give --profile too, or leave --steps out")
-        if args.compile and args.profile:
-            raise BenchError("--compile and --profile are separate runs; give one of them")
         if args.batch_size is not None or args.variants is not None or args.json is not None:
             raise BenchError("--batch-size, --variants and --json apply to --device cuda only; the CPU configs "
                              "fix their batch")
@@ -378,7 +377,8 @@ def parser(prog=None):
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds, interleaved over the modes on the CPU (the fastest is taken; default 15, 3 on CUDA)")
     ap.add_argument("--n-layer", type=int, default=None, help="CPU: the config at another depth (e.g. a study's)")
     ap.add_argument("--profile", action="store_true", help="CPU: instead of timing, torch.profiler's breakdown of each "
-                    "mode's step: routing's share, forward and backward, by operation (workbench/profile.py)")
+                    "mode's step: routing's share, forward and backward, by operation (workbench/profile.py); with "
+                    "--compile: the compiled step by kind of operation")
     ap.add_argument("--steps", type=int, default=None, help="with --profile: steps recorded per mode (default 5)")
     ap.add_argument("--compile", action="store_true", help="CPU: every mode and the baseline compiled "
                     "(torch.compile, Inductor): compile times, then speed against the compiled and the eager "
@@ -438,7 +438,12 @@ def main(argv=None, prog=None):
             print(f"{shape}, torch.profiler over {steps} steps of each mode, interleaved", flush=True)
             torch.manual_seed(0)
             idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
-            print(profile_table(profile_modes({m: make(config, m) for m in modes}, idx, steps)))
+            if args.compile:  # the compiled step by kind: routing's operations are fused with the rest
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                compiled = {m: torch.compile(make(config, m)) for m in modes}
+                print(compiled_profile_table(profile_compiled(compiled, idx, steps)))
+            else:
+                print(profile_table(profile_modes({m: make(config, m) for m in modes}, idx, steps)))
             continue
         if args.compile:
             from torch._inductor.runtime.cache_dir_utils import cache_dir

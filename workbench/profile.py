@@ -12,6 +12,10 @@ that reports a number is the one that made the node (an operation that makes no 
 number too, before its maker). The baseline's row is its plain stream (x + v), the floor every mode pays.
 The profiler adds a few microseconds to each operation it records, so many small operations look costlier
 here than they are: `bench` without --profile gives the ratios that count (docs/speed.md).
+
+Compiled (`bench --compile --profile`), routing's operations are fused into Inductor's kernels with the rest,
+so the step is split by kind instead: the matrix products, attention, the fused kernels (Inductor's generated
+code, each graph's call) and what is left, forward and backward.
 """
 import collections
 import contextlib
@@ -129,3 +133,60 @@ def profile_table(rows, top=6):
             largest = ", ".join(f"{name} {ms:.1f}" for name, ms in ops.most_common(top) if ms >= 0.05)
             lines.append(f"| {mode} | {phase} | {r[phase]:.1f} | {total:.1f} | {total / step:.1%} | {largest or '-'} |")
     return "\n".join(lines)
+
+
+KINDS = ("matrix products", "attention", "fused kernels", "other")
+
+
+def kind_of(name):
+    """The kind of a compiled step's operation: a matrix product, attention, a call of Inductor's fused code."""
+    if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mm", "aten::matmul"):
+        return "matrix products"
+    if "scaled_dot_product" in name or "flash_attention" in name:
+        return "attention"
+    if name.startswith("## Call CompiledFxGraph") or "cpp_fused" in name:
+        return "fused kernels"
+    return "other"
+
+
+def profile_compiled(models, idx, steps=5, warmup=2):
+    """{mode: {"forward"|"backward": Counter(kind -> ms per step)}} of compiled models (their first call compiles),
+    from `steps` profiled forward+backward steps of each, interleaved, after `warmup` unprofiled ones."""
+    for model in models.values():
+        for _ in range(warmup):
+            _, loss = model(idx, idx)
+            loss.backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            for mode, model in models.items():
+                with record_function(f"{mode}|forward"):
+                    _, loss = model(idx, idx)
+                with record_function(f"{mode}|backward"):
+                    loss.backward()
+    rows = {mode: dict(forward=collections.Counter(), backward=collections.Counter()) for mode in models}
+    for e in prof.events():
+        parent = e.cpu_parent
+        while parent is not None and "|" not in parent.name:
+            parent = parent.cpu_parent
+        if "|" not in e.name and parent is not None:
+            mode, phase = parent.name.split("|")
+            rows[mode][phase][kind_of(e.name)] += e.self_cpu_time_total / 1000 / steps
+    return rows
+
+
+def compiled_profile_table(rows):
+    """The compiled rows as Markdown: ms per step of each kind, forward and backward, and the step's difference
+    to the first mode's (the baseline's) kind by kind."""
+    base = next(iter(rows.values()))
+    head = ["mode", "pass", *KINDS, "step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mode, r in rows.items():
+        for phase in ("forward", "backward"):
+            lines.append(f"| {mode} | {phase} | " + " | ".join(f"{r[phase][k]:.1f}" for k in KINDS)
+                         + f" | {sum(r[phase].values()):.1f} |")
+        if r is not base:
+            diff = {k: sum(r[p][k] - base[p][k] for p in ("forward", "backward")) for k in KINDS}
+            lines.append(f"| {mode} | minus {next(iter(rows))} | " + " | ".join(f"{diff[k]:+.1f}" for k in KINDS)
+                         + f" | {sum(diff.values()):+.1f} |")
+    return "\n".join(lines)
+
