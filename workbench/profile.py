@@ -21,7 +21,6 @@ import collections
 import contextlib
 import functools
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import delta_gpt as M
