@@ -1,6 +1,10 @@
 """The pages' links resolve: every relative link of README.md and docs/*.md names a file of the repository and,
-after a '#', a heading of that file (GitHub's anchors: lowercase, punctuation dropped, spaces to '-')."""
+after a '#', a heading of that file (GitHub's anchors: lowercase, punctuation dropped, spaces to '-'). And every
+table of a study's results that a page quotes under a `<!-- reprint: COMMAND -->` comment is what COMMAND (a
+`compare --study FILE --reprint`, training nothing) prints: the columns the page keeps, cell for cell."""
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +65,75 @@ def test_check_pages_masks_the_clock_and_a_studys_finished_count():
     pairs = ["| pair | val loss difference | beat | equal CPU time |", "|---|---|---|---|"]  # a study's table of pairs
     assert cp.check(pairs + ["| a - b | -0.0370 ± 0.0050 | 3/3 | -0.0207 ± 0.0052 |"],
                     pairs + ["| a - b | -0.0370 ± 0.0050 | 3/3 | -0.0199 ± 0.0049 |"]) == []
+
+
+REPRINT = re.compile(r"<!-- reprint: (python cli\.py compare --study \S+ --reprint[^>]*?) -->")
+
+
+def quoted_reprints(page):
+    """[(command, table lines)]: each reprint comment of a page and the Markdown table after it."""
+    found, lines = [], page.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if (m := REPRINT.search(line)):
+            rest = lines[i + 1:]
+            start = next(j for j, l in enumerate(rest) if l.startswith("|"))
+            end = next((j for j in range(start, len(rest)) if not rest[j].startswith("|")), len(rest))
+            found.append((m[1], rest[start:end]))
+    return found
+
+
+def cells(line):
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def tables(lines):
+    """The Markdown tables of a command's output: [(header cells, {first cell: row cells})]."""
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            rows = {}
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows[cells(row)[0]] = cells(row)
+            found.append((cells(line), rows))
+    return found
+
+
+def mismatches(quoted, printed):
+    """What a quoted table (a header of printed column names, then rows named by their first cell) has that no
+    printed table with those columns prints."""
+    head = cells(quoted[0])
+    for names, rows in tables(printed):
+        if set(head) <= set(names):
+            at = [names.index(h) for h in head]
+            wrong = []
+            for line in quoted[2:]:
+                row = rows.get(cells(line)[0])
+                if row is None or [row[j] for j in at] != cells(line):
+                    wrong.append(f"{line.strip()} (printed: {' | '.join(row[j] for j in at) if row else 'no such row'})")
+            return wrong
+    return [f"no printed table has the columns {head}"]
+
+
+QUOTING = [page for page in PAGES if quoted_reprints(page)]
+
+
+@pytest.mark.parametrize("page", QUOTING, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_quoted_study_table_is_what_its_reprint_prints(page, tmp_path):
+    for command, quoted in quoted_reprints(page):
+        args = command.split()[1:] + ["--out", str(tmp_path / "reprint")]
+        done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, f"{command}: {done.stdout[-300:]}{done.stderr[-300:]}"
+        wrong = mismatches(quoted, done.stdout.splitlines())
+        assert not wrong, f"{page.relative_to(ROOT)}, under `{command}`: " + "; ".join(wrong)
+
+
+def test_a_quoted_table_is_checked_column_by_column():
+    printed = ["| variant | val loss | speed | params |", "|---|---|---|---|", "| a | 1.5 | 0.8x | 10 |",
+               "| b | 1.4 | 0.9x | 10 |"]
+    assert mismatches(["| variant | speed |", "|---|---|", "| b | 0.9x |"], printed) == []
+    assert mismatches(["| variant | speed |", "|---|---|", "| b | 0.8x |"], printed) == ["| b | 0.8x | (printed: b | 0.9x)"]
+    assert mismatches(["| variant | x |", "|---|---|"], printed) == ["no printed table has the columns ['variant', 'x']"]
+    assert mismatches(["| variant | speed |", "|---|---|", "| c | 1x |"], printed)[0].endswith("(printed: no such row)")
+
