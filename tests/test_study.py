@@ -215,8 +215,8 @@ def test_the_lead_by_step_by_hand():
     assert sorted(rows[2]["cells"]) == [10, 20] and rows[2]["cells"][20][0] == pytest.approx(0.1)  # shared steps only
     assert sorted(R.lead_rows(runs, "base", [], 20)[0]["cells"]) == [20]  # multiples of 20
     table = R.lead_table(rows)
-    assert table.splitlines()[0] == "| a - b | loss | 10 | 20 |"
-    assert "| new - base | val | -0.1500 (2/2) | +0.0000 (1/2) |" in table
+    assert table.splitlines()[0] == "| lead (a - b), loss | 10 | 20 |"
+    assert "| new - base, val | -0.1500 (2/2) | +0.0000 (1/2) |" in table
     assert R.lead_rows(runs, "base", [], 7) == []
 
 
@@ -291,7 +291,7 @@ def test_tiny_study_end_to_end(tiny_data, tmp_path, monkeypatch):
     lead = next(l for l in leads if l["a"] == "delta" and l["b"] == "baseline" and l["loss"] == "val")
     step, cell = max(lead["cells"].items(), key=lambda kv: int(kv[0]))
     diffs = [runs["delta", lead["sweep"], s][int(step)] - runs["baseline", lead["sweep"], s][int(step)] for s in (1, 2)]
-    assert cell[0] == pytest.approx(sum(diffs) / 2) and f"| {lead['sweep']} | delta - baseline | val | " in by_step
+    assert cell[0] == pytest.approx(sum(diffs) / 2) and f"| {lead['sweep']} | delta - baseline, val | " in by_step
     assert "(no evaluation at a multiple of 1000 steps" in ok("compare", "--study", path, "--out", tmp_path / "again",
                                                                 "--reprint", "--by-step", 1000)
     refused("--by-step -1 must be a number of steps", "compare", "--study", path, "--reprint", "--by-step", -1)

@@ -497,8 +497,8 @@ def lead_table(rows, option=None):
     """The lead-by-step Markdown table: a row per lead_rows row, a column per step, each cell the mean
     difference and the seeds where a is lower."""
     steps = sorted({step for r in rows for step in r["cells"]})
-    head = ([option] if option else []) + ["a - b", "loss"] + [str(s) for s in steps]
-    return markdown(head, [([str(r["sweep"])] if option else []) + [f"{r['a']} - {r['b']}", r["loss"]]
+    head = ([option] if option else []) + ["lead (a - b), loss"] + [str(s) for s in steps]
+    return markdown(head, [([str(r["sweep"])] if option else []) + [f"{r['a']} - {r['b']}, {r['loss']}"]
                            + ["" if s not in r["cells"] else
                               f"{r['cells'][s][0]:+.4f} ({r['cells'][s][2]}/{r['cells'][s][3]})" for s in steps]
                            for r in rows])
