@@ -368,6 +368,16 @@ def speed_ratio(mine, ref):
     return min(ref) / min(mine), statistics.median(r / m for r, m in zip(ref, mine))
 
 
+def by_sweep(summaries):
+    """(sweep value, {variant: {seed: summary}}) for each sweep value of the runs, in their order."""
+    for value in dict.fromkeys(s["sweep"] for s in summaries):
+        runs = {}
+        for s in summaries:
+            if s["sweep"] == value:
+                runs.setdefault(s["variant"], {})[s["seed"]] = s
+        yield value, runs
+
+
 def study_rows(summaries, reference, option=None, families=None, times=None):
     """summaries: one dict per run (variant, sweep, seed, val_loss, tokens_per_s, routing stats, elapsed,
     curve) -> a row per sweep value and variant: compare_rows' figures, the paired difference to the
@@ -376,12 +386,8 @@ def study_rows(summaries, reference, option=None, families=None, times=None):
     time. With families ({variant: the variants like it but for their schedule length}) and times ({speed
     name: per-round seconds per step}, workbench/speed.py): the per-minute readings (readings())."""
     rows = []
-    for value in dict.fromkeys(s["sweep"] for s in summaries):
-        group, by_variant = {}, {}
-        for s in summaries:
-            if s["sweep"] == value:
-                group.setdefault(s["variant"], []).append(s)
-                by_variant.setdefault(s["variant"], {})[s["seed"]] = s
+    for value, by_variant in by_sweep(summaries):
+        group = {variant: list(runs.values()) for variant, runs in by_variant.items()}
         ref = by_variant[reference]
         for row in compare_rows(group, reference):
             variant = row.pop("mode")
@@ -436,11 +442,7 @@ def pair_rows(summaries, pairs, option=None, families=None, times=None):
     at the end and at equal time, and with families and times (as study_rows) a's per-minute readings
     against b."""
     rows = []
-    for value in dict.fromkeys(s["sweep"] for s in summaries):
-        runs = {}
-        for s in summaries:
-            if s["sweep"] == value:
-                runs.setdefault(s["variant"], {})[s["seed"]] = s
+    for value, runs in by_sweep(summaries):
         for a, b in pairs:
             ra, rb = runs.get(a, {}), runs.get(b, {})
             diff, se, wins, n = paired({k: s["val_loss"] for k, s in ra.items()},
@@ -469,25 +471,17 @@ def lead_rows(summaries, reference, pairs, every):
     `every` (step 0 left out), of the val loss and of the train loss: a row per sweep value, comparison and
     loss, its cells {step: (mean, standard error, seeds where a is lower, seeds)}."""
     rows = []
-    for value in dict.fromkeys(s["sweep"] for s in summaries):
-        runs = {}
-        for s in summaries:
-            if s["sweep"] == value:
-                runs.setdefault(s["variant"], {})[s["seed"]] = s
+    for value, runs in by_sweep(summaries):
         steps_of = {v: {s["steps"] for s in r.values()} for v, r in runs.items()}
         compared = [(v, reference) for v in runs if v != reference and steps_of[v] == steps_of.get(reference)]
         for a, b in compared + [tuple(pair) for pair in pairs if tuple(pair) not in compared]:
-            ra, rb = runs.get(a, {}), runs.get(b, {})
+            seeds = runs.get(a, {}).keys() & runs.get(b, {}).keys()
             for loss in ("val_loss", "train_loss"):
-                at = {}  # {step: ({seed: a's loss}, {seed: b's loss})}
-                for seed in ra.keys() & rb.keys():
-                    mine = {e["step"]: e[loss] for e in ra[seed]["evals"]}
-                    for e in rb[seed]["evals"]:
-                        if e["step"] in mine and e["step"] > 0 and e["step"] % every == 0:
-                            at.setdefault(e["step"], ({}, {}))
-                            at[e["step"]][0][seed], at[e["step"]][1][seed] = mine[e["step"]], e[loss]
-                n = len(ra.keys() & rb.keys())
-                cells = {step: paired(*both) for step, both in sorted(at.items()) if len(both[0]) == n}
+                curves = {seed: [{e["step"]: e[loss] for e in runs[v][seed]["evals"]} for v in (a, b)]
+                          for seed in seeds}  # {seed: [a's {step: loss}, b's]}
+                shared = set.intersection(*(set(ca) & set(cb) for ca, cb in curves.values())) if seeds else set()
+                cells = {step: paired(*({s: c[i][step] for s, c in curves.items()} for i in (0, 1)))
+                         for step in sorted(shared) if step > 0 and step % every == 0}
                 if cells:
                     rows.append(dict(sweep=value, a=a, b=b, loss=loss.split("_")[0], cells=cells))
     return rows
