@@ -432,7 +432,8 @@ def main(argv=None, prog=None):
     for name in ALL if args.config == "all" else [args.config]:
         config, batch = cpu_config(name, args)
         shape = (f"\n{name}: n_layer {config.n_layer}, n_embd {config.n_embd}, context {config.block_size}, "
-                 f"batch {batch}, fp32 eager, threads {torch.get_num_threads()}, malloc {malloc}")
+                 f"batch {batch}, fp32 {'compiled' if args.compile else 'eager'}, threads {torch.get_num_threads()}, "
+                 f"malloc {malloc}")
         if args.profile:
             steps = args.steps or 5
             print(f"{shape}, torch.profiler over {steps} steps of each mode, interleaved", flush=True)
@@ -447,7 +448,7 @@ def main(argv=None, prog=None):
             continue
         if args.compile:
             from torch._inductor.runtime.cache_dir_utils import cache_dir
-            print(f"{shape.replace('fp32 eager', 'fp32 compiled')}, Inductor's cache in {cache_dir()}, CPU time, "
+            print(f"{shape}, Inductor's cache in {cache_dir()}, CPU time, "
                   f"{rounds} rounds (tokens/s: the best round; x median: of each round's ratio)", flush=True)
             print(compiled_table(bench_compiled(config, batch, modes, iters=args.iters, rounds=rounds)))
             continue
