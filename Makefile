@@ -24,7 +24,7 @@ install: $(STAMP)
 
 # the whole suite, on two processes (pytest-xdist): about a minute less on two cores
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 # the suite without the torch.compile and multi-process tests (CI runs the full `make test`)
 test-fast: $(STAMP)

@@ -58,6 +58,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("torchrun")  # never beside another torchrun (tests/test_fsdp.py says why)
 def test_ddp_two_processes_equal_one(tiny_data, tmp_path):
     """torchrun --nproc_per_node=2 (gloo) with 1 micro-step each == 1 process with 2 micro-steps; under
     torchrun cli.py train, which ends its processes without the interpreter's shutdown, still prints its last line."""
