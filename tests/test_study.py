@@ -200,7 +200,7 @@ def test_paired_statistics_by_hand():
 def test_the_lead_by_step_by_hand():
     def run(variant, seed, losses, steps=None):
         evals = [dict(step=s, val_loss=v, train_loss=v - 0.1) for s, v in zip(steps or (0, 10, 20), losses)]
-        return dict(variant=variant, sweep=None, seed=seed, steps=evals[-1]["step"], evals=evals)
+        return dict(variant=variant, sweep=None, seed=seed, steps=evals[-1]["step"], evals=evals, epochs_per_step=0.01)
     runs = [run("base", 1, (3.0, 2.5, 2.0)), run("base", 2, (3.0, 2.6, 2.1)),
             run("new", 1, (3.0, 2.3, 1.9)), run("new", 2, (3.0, 2.5, 2.2)),
             run("long", 1, (3.0, 2.4, 2.2, 1.8), (0, 10, 20, 30)), run("long", 2, (3.0, 2.4, 2.1, 1.8), (0, 10, 20, 30))]
@@ -217,7 +217,10 @@ def test_the_lead_by_step_by_hand():
     table = R.lead_table(rows)
     assert table.splitlines()[0] == "| lead (a - b), loss | 10 | 20 |"
     assert "| new - base, val | -0.1500 (2/2) | +0.0000 (1/2) |" in table
+    assert table.splitlines()[2] == "| epochs (passes over the training split) | 0.10 | 0.20 |"  # step x 0.01
     assert R.lead_rows(runs, "base", [], 7) == []
+    del runs[2]["epochs_per_step"]  # results of runs that did not record it: no epochs row
+    assert "epochs" not in R.lead_table(R.lead_rows(runs, "base", [], 10))
 
 
 # ---------------------------------------------------------------- tiny studies end to end

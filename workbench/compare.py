@@ -159,14 +159,18 @@ def run_label(r):
 
 def run_summary(out_dir, seed):
     """What the table needs of one finished run, read from its metrics.jsonl and config.json: the last
-    evaluation's val loss and routing sharpness, the median training tokens/s and every evaluation (step,
-    train and val loss, wall and CPU seconds); on_clock reads its curve and total time on one clock."""
+    evaluation's val loss and routing sharpness, the median training tokens/s, the passes over the training
+    split a step makes and every evaluation (step, train and val loss, wall and CPU seconds); on_clock reads
+    its curve and total time on one clock."""
     rows = read_metrics(out_dir)
     evals = [r for r in rows if r["kind"] == "eval"]
     if not evals or not (Path(out_dir) / "config.json").exists():
         raise S.StudyError(f"{out_dir} has a checkpoint but no {'evaluation in metrics.jsonl' if not evals else 'config.json'}"
                            f", which the table is made from; pass --overwrite to train the study's runs again, "
                            f"or move {out_dir} away")
+    recorded = json.loads((Path(out_dir) / "config.json").read_text())
+    c, train_tokens = recorded["config"], (recorded.get("dataset") or {}).get("train_tokens")
+    tokens_per_step = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] * recorded.get("world_size", 1)
     speeds = sorted(r["tokens_per_s"] for r in rows if r["kind"] == "train")
     routing = {k: v for k, v in (evals[-1].get("routing") or {}).items()
                if not (isinstance(v, float) and math.isnan(v))}  # NaN: no sublayer with more than one source
@@ -174,7 +178,7 @@ def run_summary(out_dir, seed):
         seed=seed, val_loss=evals[-1]["val_loss"], tokens_per_s=speeds[len(speeds) // 2] if speeds else None,
         max_weight=routing.get("mean_max_weight"), deep_max_weight=routing.get("deep_max_weight"),
         entropy=routing.get("mean_entropy"), deep_entropy=routing.get("deep_entropy"), steps=evals[-1]["step"],
-        params=json.loads((Path(out_dir) / "config.json").read_text())["params"],
+        params=recorded["params"], epochs_per_step=tokens_per_step / train_tokens if train_tokens else None,
         evals=[{k: r.get(k) for k in ("step", "train_loss", "val_loss", "elapsed", "cpu_s")} for r in evals])
 
 

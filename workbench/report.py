@@ -469,7 +469,8 @@ def lead_rows(summaries, reference, pairs, every):
     """The paired difference by step: for each variant on the reference's schedule (against the reference) and
     each pair [a, b] (a minus b), at every evaluation step both have on every seed that is a multiple of
     `every` (step 0 left out), of the val loss and of the train loss: a row per sweep value, comparison and
-    loss, its cells {step: (mean, standard error, seeds where a is lower, seeds)}."""
+    loss, its cells {step: (mean, standard error, seeds where a is lower, seeds)} and its epochs {step: passes
+    over the training split} (None where a's runs did not record their tokens per step)."""
     rows = []
     for value, runs in by_sweep(summaries):
         steps_of = {v: {s["steps"] for s in r.values()} for v, r in runs.items()}
@@ -482,8 +483,10 @@ def lead_rows(summaries, reference, pairs, every):
                 shared = set.intersection(*(set(ca) & set(cb) for ca, cb in curves.values())) if seeds else set()
                 cells = {step: paired(*({s: c[i][step] for s, c in curves.items()} for i in (0, 1)))
                          for step in sorted(shared) if step > 0 and step % every == 0}
+                per_step = {runs[a][seed].get("epochs_per_step") for seed in seeds}
+                epochs = {step: step * min(per_step) for step in cells} if None not in per_step else None
                 if cells:
-                    rows.append(dict(sweep=value, a=a, b=b, loss=loss.split("_")[0], cells=cells))
+                    rows.append(dict(sweep=value, a=a, b=b, loss=loss.split("_")[0], cells=cells, epochs=epochs))
     return rows
 
 
@@ -492,10 +495,16 @@ def lead_table(rows, option=None):
     difference and the seeds where a is lower."""
     steps = sorted({step for r in rows for step in r["cells"]})
     head = ([option] if option else []) + ["lead (a - b), loss"] + [str(s) for s in steps]
-    return markdown(head, [([str(r["sweep"])] if option else []) + [f"{r['a']} - {r['b']}, {r['loss']}"]
-                           + ["" if s not in r["cells"] else
-                              f"{r['cells'][s][0]:+.4f} ({r['cells'][s][2]}/{r['cells'][s][3]})" for s in steps]
-                           for r in rows])
+    body = [([str(r["sweep"])] if option else []) + [f"{r['a']} - {r['b']}, {r['loss']}"]
+            + ["" if s not in r["cells"] else f"{r['cells'][s][0]:+.4f} ({r['cells'][s][2]}/{r['cells'][s][3]})"
+               for s in steps] for r in rows]
+    # past one pass over the training text, a lead in train loss may not carry over to val loss
+    known = all(r.get("epochs") is not None for r in rows)  # results written before they were recorded: none
+    passes = {s: {round(r["epochs"][s], 2) for r in rows if s in r["cells"]} for s in steps} if known else {}
+    if known and all(len(p) == 1 for p in passes.values()):
+        body.insert(0, ([""] if option else []) + ["epochs (passes over the training split)"]
+                    + [f"{passes[s].pop():.2f}" for s in steps])
+    return markdown(head, body)
 
 
 def study_notes(reference, pairs=False, clock="wall"):
