@@ -452,6 +452,20 @@ def test_a_variant_that_cannot_be_timed_is_said_in_one_line_and_the_study_still_
     assert result["speed"] is None and len(result["runs"]) == 2 and "| delta | 1 |" in out
 
 
+def test_the_speed_command_times_a_studys_variants_as_compare_does(tiny_data, tmp_path, monkeypatch, capsys):
+    """python -m workbench.speed --study FILE: every variant's step at its own shape (here another depth), in
+    one process with malloc keeping freed memory as compare's timing and the runs do, relative to the reference."""
+    path = study_file(tmp_path / "timed.toml", tiny_data, seeds=[1], variants={
+        "baseline": {"residual": "baseline"}, "deep": {"residual": "delta", "n_layer": 4}})
+    kept = []
+    monkeypatch.setattr(SP, "keep_freed_memory", lambda: kept.append(True))
+    SP.main(["--study", str(path), "--rounds", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert kept and lines[0].startswith("timed: a training step of each variant, 2 interleaved rounds, 1 thread(s)")
+    assert lines[3].startswith("| baseline | ") and lines[3].endswith(" | 1.000x | 1.000x |")
+    assert lines[4].startswith("| deep | ") and all(float(l.split(" | ")[1]) > 0 for l in lines[3:5])  # ms per step
+
+
 def test_a_reference_family_is_its_runs_of_other_lengths_annealed_to_their_end():
     study = S.study_from_dict(dict(seeds=[1], train=dict(max_iters=100), variants={
         "baseline": dict(residual="baseline"), "baseline-200": dict(residual="baseline", max_iters=200),

@@ -2,7 +2,7 @@
 cannot move it: at the study's own shape (the model each run trained, its batch, fast path, precision and
 compile setting), for a whole training step (forward, backward, gradient clipping and the AdamW step), the
 shapes timed in turn inside every round of one process, in that process's CPU time, so that a neighbour slows
-them alike. `compare --study` measures it after its runs and keeps it in compare.json; docs/speed.md shows
+them alike, with malloc keeping freed memory as the runs do (plumbing/system.py). `compare --study` measures it after its runs and keeps it in compare.json; docs/speed.md shows
 how far another job moves it.
 
     ratio = (the reference's seconds per step) / (the variant's): 0.82 means the variant trains at 0.82x
@@ -23,7 +23,7 @@ from delta_gpt import GPT, GPTConfig
 from errors import DeltaGPTError
 from plumbing.checkpoint import model_vocab
 from plumbing.config import model_config
-from plumbing.system import precision
+from plumbing.system import keep_freed_memory, precision
 from workbench import study as S
 from workbench.report import markdown, speed_name, speed_ratio
 
@@ -117,6 +117,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=10, help="rounds, each timing every variant in turn")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the studies train with 1)")
     args = ap.parse_args(argv)
+    keep_freed_memory()  # as the runs and compare's timing do: without it the routed steps page-fault more
     try:
         study = S.load_study(args.study)
         runs = [r for r in S.cross(study, "runs/speed") if r.seed == study.seeds[0]]
