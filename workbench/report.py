@@ -498,12 +498,13 @@ def lead_table(rows, option=None):
     body = [([str(r["sweep"])] if option else []) + [f"{r['a']} - {r['b']}, {r['loss']}"]
             + ["" if s not in r["cells"] else f"{r['cells'][s][0]:+.4f} ({r['cells'][s][2]}/{r['cells'][s][3]})"
                for s in steps] for r in rows]
-    # past one pass over the training text, a lead in train loss may not carry over to val loss
-    known = all(r.get("epochs") is not None for r in rows)  # results written before they were recorded: none
-    passes = {s: {round(r["epochs"][s], 2) for r in rows if s in r["cells"]} for s in steps} if known else {}
+    # past one pass over the training text, a lead in train loss may not carry over to val loss; results
+    # written before runs recorded their tokens per step, or rows that pass the text at other rates: no row
+    known = all(r.get("epochs") is not None for r in rows)
+    passes = {s: {f"{r['epochs'][s]:.2f}" for r in rows if s in r["cells"]} for s in steps} if known else {}
     if known and all(len(p) == 1 for p in passes.values()):
         body.insert(0, ([""] if option else []) + ["epochs (passes over the training split)"]
-                    + [f"{passes[s].pop():.2f}" for s in steps])
+                    + [min(passes[s]) for s in steps])
     return markdown(head, body)
 
 

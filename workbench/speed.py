@@ -2,8 +2,8 @@
 cannot move it: at the study's own shape (the model each run trained, its batch, fast path, precision and
 compile setting), for a whole training step (forward, backward, gradient clipping and the AdamW step), the
 shapes timed in turn inside every round of one process, in that process's CPU time, so that a neighbour slows
-them alike, with malloc keeping freed memory as the runs do (plumbing/system.py). `compare --study` measures it after its runs and keeps it in compare.json; docs/speed.md shows
-how far another job moves it.
+them alike, with malloc keeping freed memory as the runs do (plumbing/system.py). `compare --study` measures
+it after its runs and keeps it in compare.json; docs/speed.md shows how far another job moves it.
 
     ratio = (the reference's seconds per step) / (the variant's): 0.82 means the variant trains at 0.82x
     the reference's speed. best: the ratio of the best rounds; median: the median over rounds of the two
