@@ -158,6 +158,8 @@ def test_break_even_and_equal_compute_by_hand():
     assert got["equal_compute_se"] == pytest.approx(abs(diffs[0] - diffs[1]) / 2)
     assert (got["equal_compute_wins"], got["equal_compute_paired"], got["equal_compute_needs"]) == (2, 2, None)
     assert report.break_even_text(got["break_even"]) == "<0.50-0.71x"
+    # one seed behind the only reference length, one ahead of it: both bounds at 1.00x, the lower one first
+    assert report.break_even_text({1: (">", 1.0), 2: ("<", 1.0)}) == "<1.00->1.00x"
     slow = report.per_minute(runs, lengths, 0.4)  # 10,000 reference steps: longer than any run
     assert slow["equal_compute_diff"] is None and slow["equal_compute_needs"] == 10000
     assert report.compute_text(slow) == "needs 10,000 ref steps"

@@ -325,10 +325,11 @@ def per_minute(runs, lengths, speed):
 
 
 def break_even_text(per_seed):
-    """The break-even speeds of the seeds, as 'min-max' (a bound where the lengths did not reach)."""
+    """The break-even speeds of the seeds, as 'min-max' (a bound where the lengths did not reach: '<1.00->1.00x'
+    says one seed is level only below 1.00x, another only above)."""
     if not per_seed:
         return "-"
-    values = sorted(per_seed.values(), key=lambda bx: bx[1])
+    values = sorted(per_seed.values(), key=lambda bx: (bx[1], "<=>".index(bx[0] or "=")))
     (b0, x0), (b1, x1) = values[0], values[-1]
     return f"{b0}{x0:.2f}x" if len(values) == 1 or f"{b0}{x0:.2f}" == f"{b1}{x1:.2f}" else \
         f"{b0}{x0:.2f}-{b1}{x1:.2f}x"
