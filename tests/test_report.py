@@ -102,6 +102,21 @@ def test_draw_curves_writes_a_picture_with_a_title(tmp_path):
     assert matplotlib.image.imread(tmp_path / "timed.png").shape[1] > 1.4 * matplotlib.image.imread(tmp_path / "curves.png").shape[1]
 
 
+def test_the_curves_against_compute_take_each_step_at_its_timed_cost(tmp_path):
+    # seconds per step in each round: the routed step 1.25x the baseline's, the longer baseline the same shape
+    times = {"baseline": [0.20, 0.22, 0.21], "baseline-8000": [0.20, 0.22, 0.21], "attnres": [0.25, 0.275, 0.2625]}
+    assert report.step_costs(["baseline", "baseline-8000", "attnres", "untimed"], times, "baseline") == {
+        "baseline": 1.0, "baseline-8000": 1.0, "attnres": pytest.approx(1.25)}
+    assert report.step_costs(["attnres"], None, "baseline") == {}
+    assert report.step_costs(["attnres"], {"attnres n_layer=4": [0.25], "baseline n_layer=4": [0.2]}, "baseline",
+                             "n_layer", 4) == {"attnres": pytest.approx(1.25)}
+    curves = {"baseline": [[(0, 3.0), (10, 2.5)]], "attnres": [[(0, 3.0), (10, 2.3)]]}  # no clock: compute alone
+    report.draw_curves(curves, tmp_path / "compute.png", cost={"baseline": 1.0, "attnres": 1.25})
+    report.draw_curves(curves, tmp_path / "steps.png", cost={"baseline": 1.0})  # a label without its cost
+    width = [matplotlib.image.imread(tmp_path / f).shape[1] for f in ("compute.png", "steps.png")]
+    assert width[0] > 1.4 * width[1]
+
+
 def test_a_sweep_of_one_variant_draws_one_curves_picture(tmp_path):
     summaries = [dict(variant="baseline", sweep=n, seed=1, val_loss=3.0 - n / 10, tokens_per_s=100.0 / n, params=n, elapsed=5.0 * n,
                       curve=[(0, 4.0, 0.0), (10, 3.0 - n / 10, 5.0 * n)]) for n in (4, 8)]

@@ -355,7 +355,7 @@ def tabulate(study, result, out, echo, clock, cfg, by_step=0):
     shape = f"width {cfg.n_embd}" + (f", {cfg.n_layer} layers" if option != "n_layer" else "")
     title = (f"{study.name}: preset {cfg.preset}, {cfg.dataset}, {shape}, {cfg.max_iters} steps, "
              f"seeds {', '.join(map(str, study.seeds))}")
-    for path in R.draw_study(rows, summaries, study.reference, option, out, title, clock):
+    for path in R.draw_study(rows, summaries, study.reference, option, out, title, clock, times):
         echo(f"wrote {path}")
     return table + (f"\n\n{best}" if best else "")
 

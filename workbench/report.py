@@ -150,22 +150,27 @@ def compare_rows(runs, reference="baseline"):
     return rows
 
 
-def draw_curves(curves, path, title=None, clock="wall"):
+def draw_curves(curves, path, title=None, clock="wall", cost=None):
     """curves: {label: [[(step, val_loss, elapsed s or None), ...] per seed]} -> validation loss against step (the
-    mean over seeds bold, each seed thin), the second half zoomed, and, where every point has its time, against
-    that time (clock: wall or CPU). title: the figure's title (the caller names what was run: preset, dataset, seeds)."""
+    mean over seeds bold, each seed thin), the second half zoomed, and against compute where cost ({label: the
+    reference's steps per step, one over the timed speed}) gives every label's, else, where every point has its
+    time, against that time (clock: wall or CPU). title: the figure's title (the caller names what was run)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no screen
     import matplotlib.pyplot as plt
-    timed = all(len(p) == 3 and p[2] is not None for seeds in curves.values() for pts in seeds for p in pts)
+    cost = cost if cost and all(label in cost for label in curves) else None
+    timed = cost is not None or all(len(p) == 3 and p[2] is not None for seeds in curves.values()
+                                    for pts in seeds for p in pts)
     fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(18 if timed else 12, 4.8))
     if timed:
         for i, (mode, seeds) in enumerate(curves.items()):
             for k, points in enumerate(seeds):
-                axes[2].plot([t / 60 for *_, t in points], [v for _, v, _ in points], color=f"C{i}", lw=1.5,
-                             marker="o", ms=2, label=mode if k == 0 else None)
-        clock_name = "wall time" if clock == "wall" else "CPU time"
-        axes[2].set_xlabel(f"{clock_name} (minutes, each run's own)")
+                x = [p[0] * cost[mode] for p in points] if cost else [p[2] / 60 for p in points]
+                axes[2].plot(x, [p[1] for p in points], color=f"C{i}", lw=1.5, marker="o", ms=2,
+                             label=mode if k == 0 else None)
+        clock_name = "compute" if cost else "wall time" if clock == "wall" else "CPU time"
+        axes[2].set_xlabel("compute (the reference's training steps, at the timed speed)" if cost else
+                           f"{clock_name} (minutes, each run's own)")
         axes[2].set_ylabel("validation loss")
         axes[2].set_title(f"against {clock_name}")
         axes[2].grid(alpha=0.3)
@@ -537,11 +542,20 @@ def study_notes(reference, pairs=False, clock="wall"):
                "of every length, as in the rows; equal time: as in the column vs ref." if pairs else ""))
 
 
-def draw_study(rows, summaries, reference, option, out, title=None, clock="wall"):
+def step_costs(variants, times, reference, option=None, value=None):
+    """{variant: its training step's cost in the reference's steps, one over the timed speed (the median over
+    rounds, as the tables' speed)} for the variants timed beside the reference; {} without a timing."""
+    ref = (times or {}).get(speed_name(reference, option, value))
+    return {v: 1 / speed_ratio(times[speed_name(v, option, value)], ref)[1] for v in variants
+            if ref and speed_name(v, option, value) in times}
+
+
+def draw_study(rows, summaries, reference, option, out, title=None, clock="wall", times=None):
     """The study's pictures in folder out; returns their paths. With a sweep: loss.png (val loss ± std, and
     the paired difference to the reference ± standard error, against the swept option) and sharpness.png
     (max weight and entropy against it, routed variants); always the curves: one picture per sweep value, or
-    one picture with a line per value when the study has one variant."""
+    one picture with a line per value when the study has one variant. With times (compare.json's timed
+    seconds per step), the curves' third panel is against compute, else against the runs' own clocks."""
     out, written = Path(out), []
     if option is not None and len({s["variant"] for s in summaries}) == 1:  # one variant: its values side by side
         curves = {}
@@ -556,7 +570,8 @@ def draw_study(rows, summaries, reference, option, out, title=None, clock="wall"
             if s["sweep"] == value:
                 curves.setdefault(s["variant"], []).append(s["curve"])
         path = out / ("curves.png" if option is None else f"curves-{option}={value}.png")
-        draw_curves(curves, path, title if option is None else f"{title}; {option} = {value}", clock)
+        draw_curves(curves, path, title if option is None else f"{title}; {option} = {value}", clock,
+                    step_costs(curves, times, reference, option, value))
         written.append(path)
     if option is not None:
         written.append(draw_sweep(rows, option, [("val_loss", "val_loss_std", "validation loss (mean ± std)"),
