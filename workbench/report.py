@@ -168,11 +168,13 @@ def draw_curves(curves, path, title=None, clock="wall", cost=None):
                 x = [p[0] * cost[mode] for p in points] if cost else [p[2] / 60 for p in points]
                 axes[2].plot(x, [p[1] for p in points], color=f"C{i}", lw=1.5, marker="o", ms=2,
                              label=mode if k == 0 else None)
-        clock_name = "compute" if cost else "wall time" if clock == "wall" else "CPU time"
-        axes[2].set_xlabel("compute (the reference's training steps, at the timed speed)" if cost else
-                           f"{clock_name} (minutes, each run's own)")
+        if cost:
+            axis, unit = "compute", "the reference's training steps, at the timed speed"
+        else:
+            axis, unit = "wall time" if clock == "wall" else "CPU time", "minutes, each run's own"
+        axes[2].set_xlabel(f"{axis} ({unit})")
         axes[2].set_ylabel("validation loss")
-        axes[2].set_title(f"against {clock_name}")
+        axes[2].set_title(f"against {axis}")
         axes[2].grid(alpha=0.3)
         axes[2].legend(fontsize=8)
     curves = {mode: [[(step, v) for step, v, *_ in pts] for pts in seeds] for mode, seeds in curves.items()}
