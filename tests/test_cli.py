@@ -214,8 +214,10 @@ def test_bench_profile(monkeypatch):
     assert set(lines) == {(m, p) for m in ("baseline", "attnres-h2", "delta_block") for p in ("forward", "backward")}
     assert "RouteRead (Python)" in lines["attnres-h2", "forward"] and "Score (Python)" in lines["delta_block", "forward"]
     assert "RouteReadBackward (Python)" in lines["attnres-h2", "backward"]
-    routing_ms = lambda line: float(line.strip("|").split("|")[3])
-    assert routing_ms(lines["attnres-h2", "forward"]) > routing_ms(lines["baseline", "forward"])
+    cells = {k: [float(c.strip().rstrip("%")) for c in line.strip("|").split("|")[2:5]] for k, line in lines.items()}
+    for (mode, p), (pass_ms, routing_ms, share) in cells.items():  # structure only: no timing is compared
+        step_ms = cells[mode, "forward"][0] + cells[mode, "backward"][0]
+        assert 0 <= routing_ms <= pass_ms + 0.1 and share == pytest.approx(100 * routing_ms / step_ms, abs=0.1 + 5 / step_ms)
     # the stream methods are restored after profiling: a model runs unlabelled again
     from delta_gpt import Stream, FastStream
     assert Stream.read.__qualname__ == "Stream.read" and FastStream.read.__qualname__ == "FastStream.read"
