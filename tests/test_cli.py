@@ -170,6 +170,7 @@ def test_bench_compile_without_a_working_cpp_compiler_is_one_line_before_any_wor
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("bench-compile")  # one process: the second test finds the graphs in Inductor's cache
 def test_bench_compile_times_every_mode_compiled(monkeypatch):
     """bench --compile: each mode's first and second compile time, and its speed against the compiled and the eager
     baseline, on a tiny config."""
@@ -183,6 +184,7 @@ def test_bench_compile_times_every_mode_compiled(monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("bench-compile")  # one process: the second test finds the graphs in Inductor's cache
 def test_bench_compile_profile_splits_the_compiled_step_by_kind(monkeypatch):
     """bench --compile --profile: per mode and pass, the compiled step's milliseconds by kind (matrix products,
     attention, Inductor's fused kernels, other), and each mode's difference to the baseline."""

@@ -22,8 +22,12 @@ def torchrun(tiny_data, out_dir, extra_env=None, **kw):
     """train.py under torchrun with 2 gloo processes; returns the CompletedProcess."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", **(extra_env or {})}
     args = cli_args(tiny_data, out_dir, **{**STEPS, "fsdp": True, **kw})
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "train.py"), *args], capture_output=True, text=True, env=env, timeout=300)
+    run = lambda: subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                  str(ROOT / "train.py"), *args], capture_output=True, text=True, env=env, timeout=300)
+    r = run()
+    if r.returncode != 0 and "address already in use" in r.stderr.lower():  # --standalone's port taken by another process
+        r = run()
+    return r
 
 
 def ok(r):
