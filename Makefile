@@ -22,9 +22,9 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 
 install: $(STAMP)
 
-# the whole suite, on two processes (pytest-xdist): about a minute less on two cores
+# the whole suite, on two processes (pytest-xdist) of one thread each: two threads each oversubscribe two cores
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup
 
 # the suite without the torch.compile and multi-process tests (CI runs the full `make test`)
 test-fast: $(STAMP)
