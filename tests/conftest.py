@@ -1,4 +1,6 @@
 """Shared fixtures: a small character dataset and tiny trained checkpoints, made once per session."""
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -88,6 +90,16 @@ def cli_args(tiny_data, out_dir, **kw):
     for k, v in {**base, **kw}.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return args
+
+
+def torchrun(script, args, extra_env=None, timeout=300):
+    """`script args` under torchrun with 2 gloo processes of one thread; returns the CompletedProcess."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", **(extra_env or {})}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / script), *args]
+    r = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    if r.returncode != 0 and "address already in use" in r.stderr.lower():  # --standalone's port taken by another process
+        r = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    return r
 
 
 def train_losses(out_dir):

@@ -1,15 +1,13 @@
 """FSDP2 (--fsdp) on the CPU with gloo: trains like one process, checkpoints in the one-file format that
 resume, eval and sample read in one process, and a rank killed mid-write loses nothing."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import sample as S
 import train as T
-from conftest import ROOT, cfg_for, cli_args, train_losses
+from conftest import ROOT, cfg_for, cli_args, train_losses, torchrun as run_torchrun
 from plumbing import checkpoint as CK
 from errors import ConfigError
 
@@ -19,15 +17,8 @@ STEPS = dict(max_iters=6, lr_decay_iters=6, eval_interval=3, ckpt_interval=3, gr
 
 
 def torchrun(tiny_data, out_dir, extra_env=None, **kw):
-    """train.py under torchrun with 2 gloo processes; returns the CompletedProcess."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", **(extra_env or {})}
-    args = cli_args(tiny_data, out_dir, **{**STEPS, "fsdp": True, **kw})
-    run = lambda: subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                  str(ROOT / "train.py"), *args], capture_output=True, text=True, env=env, timeout=300)
-    r = run()
-    if r.returncode != 0 and "address already in use" in r.stderr.lower():  # --standalone's port taken by another process
-        r = run()
-    return r
+    """train.py under torchrun with 2 gloo processes, FSDP on; returns the CompletedProcess."""
+    return run_torchrun("train.py", cli_args(tiny_data, out_dir, **{**STEPS, "fsdp": True, **kw}), extra_env)
 
 
 def ok(r):

@@ -15,7 +15,7 @@ import torch
 import data
 import delta_gpt
 import train as T
-from conftest import ROOT, cfg_for, cli_args, train_losses
+from conftest import ROOT, cfg_for, cli_args, torchrun, train_losses
 from delta_gpt import GPT, GPTConfig, RESIDUALS
 from plumbing import checkpoint as CK, config as O, rundir as RD, system as SY
 from errors import ConfigError, DeltaGPTError, TrainError
@@ -62,12 +62,11 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_data, tmp_path):
 def test_ddp_two_processes_equal_one(tiny_data, tmp_path):
     """torchrun --nproc_per_node=2 (gloo) with 1 micro-step each == 1 process with 2 micro-steps; under
     torchrun cli.py train, which ends its processes without the interpreter's shutdown, still prints its last line."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     common = cli_args(tiny_data, tmp_path / "x", residual="delta", gradient_accumulation_steps=2, max_iters=3)
     ddp = common[:common.index("--out-dir")] + ["--out-dir", str(tmp_path / "ddp")] + common[common.index("--out-dir") + 2:]
     one = common[:common.index("--out-dir")] + ["--out-dir", str(tmp_path / "one")] + common[common.index("--out-dir") + 2:]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(ROOT / "cli.py"), "train", *ddp], capture_output=True, text=True, env=env, timeout=240)
+    r = torchrun("cli.py", ["train", *ddp], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("done: val loss") == 1, r.stdout[-2000:]  # rank 0's, flushed before the process ends
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), *one], capture_output=True, text=True, env=env, timeout=240)
