@@ -197,7 +197,7 @@ def typed(kind, value, text):
 
 def train_help(TrainConfig, presets):
     """Every TrainConfig field as an option with its help and the cpu preset's value (`--help`)."""
-    defaults = TrainConfig()
+    defaults = replace(TrainConfig(), **presets["cpu"])
     lines = [f"  --{flag(f.name):<27} {f.metadata['help']} [cpu: {getattr(defaults, f.name)}]" for f in fields(TrainConfig)]
     return ("Training options: any TrainConfig field, as --field VALUE, --field=VALUE or --flag / --no-flag.\n\n"
             "\b\n" + "\n".join(lines) + f"\n\nPresets: {', '.join(presets)} (default: cpu without CUDA, "

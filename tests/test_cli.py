@@ -1,5 +1,6 @@
 """cli.py: every command on tiny data and tiny checkpoints, every bad input as one line, and the quick start."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -250,6 +251,8 @@ def test_help_lists_every_command_and_train_option():
         assert command in out
     assert "--max-iters" in ok("train", "--help") and "--route-lr-mult" in ok("train", "--help")
     assert "--malloc" in ok("bench", "--help") and "--max-iters" in ok("compare", "--help")
+    # each option's value in the cpu preset, the preset's own settings included (it trains on the readable path)
+    assert re.search(r"--fast-routing [^[]*\[cpu: False\]", " ".join(ok("train", "--help").split()))
 
 
 @pytest.mark.slow
