@@ -30,7 +30,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not compile and not slow"
 
-# the pages' commands rerun in a fresh clone, every quoted output checked (about 65 minutes on two idle cores;
+# the pages' commands rerun in a fresh clone, every quoted output checked (more than an hour on two idle cores;
 # `$(PY) tests/check_pages.py --runs DIR` reuses finished runs, such as exercise 8's 35 minutes)
 check-pages: $(STAMP)
 	$(PY) tests/check_pages.py
