@@ -30,9 +30,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not compile and not slow"
 
-# the pages' commands rerun in a fresh clone, every quoted output checked (more than an hour on two idle cores;
-# `$(PY) tests/check_pages.py --runs DIR` reuses finished runs, such as exercise 8's 35 minutes)
+# the pages' links and every study table they quote (README's results too) against its study's results file
+# (seconds), then the pages' commands rerun in a fresh clone, every quoted output checked (more than an hour on
+# two idle cores; `$(PY) tests/check_pages.py --runs DIR` reuses finished runs, such as exercise 8's 35 minutes)
 check-pages: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:xdist tests/test_pages.py
 	$(PY) tests/check_pages.py
 
 # the checks of the exercises a student writes in exercises/ (docs/exercises.md, "Write the router yourself"):
